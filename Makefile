@@ -1,0 +1,33 @@
+# Two commands are the whole set-up on a fresh clone:
+#   make demo   # builds .venv from the pinned requirements, then runs the main demo
+#   make test   # builds .venv from the pinned requirements, then runs the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.mla-ops-installed
+
+# Never let torch_npu auto-load on a machine without CANN (it breaks `import torch`).
+export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
+
+.PHONY: venv test test-fast demo bench clean
+
+$(STAMP): requirements.txt setup.py pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+# Everything except the PyPTO simulator tests (seconds instead of minutes).
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not pypto"
+
+demo: $(STAMP)
+	$(PY) examples/ops_tour.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,96 @@
+"""Runtime configuration: which backend serves the ops, and the NPU dispatch policy.
+
+Settings are read once from the environment at import and can be changed at run time:
+
+===============================  =========  ====================================================
+environment variable             default    meaning
+===============================  =========  ====================================================
+``MLA_OPS_BACKEND``              ``auto``   ``auto`` | ``reference`` | ``pypto_sim`` | ``npu``
+``MLA_OPS_NPU_FUSED_MAX_TOKENS`` ``16``     NPU ``kv_prolog``: token counts (B*S) up to this use
+                                            the fused PyPTO stage-2 kernel, larger ones the
+                                            torch_npu baseline composite
+``MLA_OPS_NPU_WARMUP_TOKENS``    ``1,2``    token counts compiled ahead by ``mla_ops.ops.npu.warmup``
+===============================  =========  ====================================================
+
+``auto`` picks the best available backend per device (NPU kernels for NPU tensors, the torch
+reference elsewhere) and records why it skipped the others (``mla_ops.backends.explain``).
+An explicit backend is a demand: a call it cannot serve fails with the reasons, it does not fall
+back silently. ``pypto_sim`` runs the PyPTO kernels through pypto's CPU simulator: about a second
+per call, meant for tests, kernel work and ``mla-ops bench npu-sim``, never a default.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator
+
+BACKEND_NAMES = ("auto", "reference", "pypto_sim", "npu")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; unset it or set e.g. {name}={default}") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+def _env_int_tuple(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        values = tuple(int(part) for part in raw.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a comma-separated list of integers, e.g. '1,2'") from None
+    if any(v <= 0 for v in values):
+        raise ValueError(f"{name}={raw!r}: token counts must be positive")
+    return values
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown mla_ops backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    return name
+
+
+@dataclasses.dataclass
+class Config:
+    """The process-wide settings (one instance: ``mla_ops.config.settings``)."""
+
+    backend: str = "auto"
+    npu_fused_max_tokens: int = 16
+    npu_warmup_tokens: tuple[int, ...] = (1, 2)
+
+    @classmethod
+    def from_env(cls) -> "Config":
+        return cls(
+            backend=_check_backend(os.environ.get("MLA_OPS_BACKEND", "auto") or "auto"),
+            npu_fused_max_tokens=_env_int("MLA_OPS_NPU_FUSED_MAX_TOKENS", 16),
+            npu_warmup_tokens=_env_int_tuple("MLA_OPS_NPU_WARMUP_TOKENS", (1, 2)),
+        )
+
+
+settings = Config.from_env()
+
+
+def set_backend(name: str) -> None:
+    """Select the backend for every later op call (``auto``, ``reference``, ``pypto_sim``, ``npu``)."""
+    settings.backend = _check_backend(name)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Context manager form of :func:`set_backend`; restores the previous backend on exit."""
+    previous = settings.backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        settings.backend = previous

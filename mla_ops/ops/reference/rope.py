@@ -1,0 +1,88 @@
+"""Reference `mla::rope` (ARCHITECTURE §3.2).
+
+Rotation pairs are (x[2i], x[2i+1]) — DeepSeek's interleaved convention — rotated in fp32:
+    o0 = x0*c - x1*s,   o1 = x0*s + x1*c
+`layout="interleaved"` writes (o0, o1) back into the pair positions, which is bit-identical to
+transformers' native `apply_rotary_emb` (complex multiplication of adjacent pairs, which ATen
+computes as exactly these rounded products and sums). `layout="half"` writes the same values
+de-interleaved, out[i] = o0, out[i + D/2] = o1: the hub remote code's
+`apply_rotary_pos_emb` (de-interleave, then x*cos + rotate_half(x)*sin) and
+`torch_npu.npu_interleave_rope`.
+"""
+import torch
+from torch import Tensor
+
+from ...meta_kernels.rope import check_rope_args
+from .rms_norm import compute_dtype
+
+LAYOUTS = ("interleaved", "half")
+
+
+def broadcast_table(table: Tensor, x: Tensor) -> Tensor:
+    """cos/sin [B, S, D/2] or [S, D/2] -> broadcastable against x [..., S, D/2], compute dtype.
+
+    A batched table lines up with x's first dim; any dims between batch and sequence (heads) get 1.
+    """
+    table = table.to(compute_dtype(x.dtype))
+    if table.dim() == 3 and x.dim() > 3:
+        table = table.view(table.shape[0], *([1] * (x.dim() - 3)), table.shape[1], table.shape[2])
+    return table
+
+
+def rope_unchecked(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
+    """x [..., S, D] -> rotated, same shape and dtype, contiguous; math in fp32 (fp64 for fp64)."""
+    xf = x.to(compute_dtype(x.dtype))
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    c, s = broadcast_table(cos, x), broadcast_table(sin, x)
+    o0 = x0 * c - x1 * s
+    o1 = x0 * s + x1 * c
+    if layout == "interleaved":
+        out = torch.stack((o0, o1), dim=-1).flatten(-2)
+    else:
+        out = torch.cat((o0, o1), dim=-1)
+    return out.to(x.dtype)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, *, layout: str = "interleaved") -> Tensor:
+    check_rope_args(x, cos, sin, layout)
+    return rope_unchecked(x, cos, sin, layout)
+
+
+def rope_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, layout: str,
+                  need_x: bool = True, need_tables: bool = True):
+    """Gradients of `rope_unchecked` w.r.t. x, cos and sin (None where not needed).
+
+    The rotation is orthogonal, so dL/dx is the rotation by -theta of the output gradient, put
+    back into the input's interleaved pair positions whatever the output layout.
+    """
+    cdt = compute_dtype(x.dtype)
+    g = grad.to(cdt)
+    if layout == "interleaved":
+        g0, g1 = g[..., 0::2], g[..., 1::2]
+    else:
+        half = g.shape[-1] // 2
+        g0, g1 = g[..., :half], g[..., half:]
+    c, s = broadcast_table(cos, x), broadcast_table(sin, x)
+    grad_x = grad_cos = grad_sin = None
+    if need_x:
+        gx0 = g0 * c + g1 * s
+        gx1 = g1 * c - g0 * s
+        grad_x = torch.stack((gx0, gx1), dim=-1).flatten(-2).to(x.dtype)
+    if need_tables:
+        xf = x.to(cdt)
+        x0, x1 = xf[..., 0::2], xf[..., 1::2]
+        grad_cos = (g0 * x0 + g1 * x1).sum_to_size(c.shape).reshape(cos.shape).to(cos.dtype)
+        grad_sin = (g1 * x0 - g0 * x1).sum_to_size(s.shape).reshape(sin.shape).to(sin.dtype)
+    return grad_x, grad_cos, grad_sin
+
+
+def rope_setup_context(ctx, inputs, keyword_only_inputs, output):
+    x, cos, sin = inputs
+    ctx.save_for_backward(x, cos, sin)
+    ctx.layout = keyword_only_inputs.get("layout", "interleaved")
+
+
+def rope_autograd_backward(ctx, grad):
+    x, cos, sin = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    return rope_backward(grad, x, cos, sin, ctx.layout, need_x=need[0], need_tables=need[1] or need[2])

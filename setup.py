@@ -1,0 +1,24 @@
+"""mla-ops: DeepSeek-V2 multi-head latent attention (MLA) kernels as torch.ops.mla operators."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mla-ops",
+    version="0.1.0",
+    description="DeepSeek-V2 MLA kernels (KV prolog, paged latent cache, absorbed decode) as torch.ops.mla",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mla_ops", "mla_ops.*"]),
+    package_data={"mla_ops": ["assets/*"]},
+    # torch is deliberately unpinned here (pinned in requirements.txt): the package works with the
+    # torch a user already has (CPU, CUDA or torch_npu builds); transformers is needed by the model
+    # patches and the CLI only.
+    install_requires=["torch>=2.6", "transformers>=5.16,<5.40", "safetensors", "tokenizers"],
+    extras_require={
+        "pypto": ["pypto==0.2.0"],
+        "plot": ["matplotlib"],
+        "npu": ["torch_npu"],
+        "test": ["pytest", "expecttest", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["mla-ops=mla_ops.cli:main"]},
+)
