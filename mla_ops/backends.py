@@ -67,9 +67,9 @@ def _device_of(args: tuple) -> Optional[torch.device]:
 
 
 def _pypto_unavailable() -> Optional[str]:
-    from .ops import pypto as pypto_ops
+    from .ops import pypto_sim
 
-    return pypto_ops.unavailable_reason()
+    return pypto_sim.unavailable_reason()
 
 
 def _npu_unavailable() -> Optional[str]:

@@ -1,0 +1,70 @@
+"""`mla.mla_decode_attention` against materialised attention over the same paged cache."""
+import pytest
+import torch
+
+import mla_ops
+from utils import materialized_decode_reference, paged_case
+
+
+def _case(dtype, lens, block_size=4, heads=4, lora=32, rope=8, seed=0):
+    key_cache, value_cache, tables, cumsum, _ = paged_case(
+        len(lens) * 8, block_size, lens, key_shape=(1, lora), value_shape=(1, rope), dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q_latent = torch.randn(len(lens), heads, lora, generator=g).to(dtype)
+    q_pe = torch.randn(len(lens), heads, rope, generator=g).to(dtype)
+    return q_latent, q_pe, key_cache, value_cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 1, 12], [16, 3]])
+def test_matches_fp64_latent_attention(lens):
+    args = _case(torch.float32, lens)
+    out = mla_ops.mla_decode_attention(*args, softmax_scale=0.17)
+    expected = materialized_decode_reference(*args, 0.17)
+    # fp32 scores/softmax/sum over <= 16 tokens of unit-scale data: errors of a few fp32 ulps.
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_absorbed_equals_materialized_kv_b_attention(dtype, tol):
+    """The stock (materialising) computation: expand the cached latent with kv_b into per-head
+    k_nope/value, attend with q = [q_nope | q_pe] over K = [k_nope | k_pe], then o = p @ V.
+    The absorbed path: q_latent = q_nope @ W_UK, o = (p @ latent) @ W_UV. Same maths,
+    different association: fp32 agrees to rounding (scores of 64 terms, |o| ~ 0.1-1, rel ~1e-6);
+    bf16 differs by the roundings of bf16 intermediates the two orders put in different places
+    (a few bf16 ulps of |o| ~ 1, i.e. ~1e-2)."""
+    heads, lora, rope, nope, v = 4, 32, 8, 16, 16
+    lens = [9, 2]
+    q_latent_unused, q_pe, key_cache, value_cache, tables, seq_lens = _case(dtype, lens, heads=heads, lora=lora,
+                                                                              rope=rope)
+    g = torch.Generator().manual_seed(3)
+    kv_b = (torch.randn(heads * (nope + v), lora, generator=g) * lora ** -0.5).to(dtype)
+    w = kv_b.view(heads, nope + v, lora)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [N, P, L], [N, V, L]
+    q_nope = torch.randn(len(lens), heads, nope, generator=g).to(dtype)
+    scale = (nope + rope) ** -0.5
+    q_latent = torch.einsum("bnp,npl->bnl", q_nope, w_uk)
+    o_latent = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, scale)
+    out = torch.einsum("bnl,nvl->bnv", o_latent, w_uv)
+    for b, n in enumerate(lens):
+        block_size = key_cache.shape[1]
+        idx = [(int(tables[b, t // block_size]), t % block_size) for t in range(n)]
+        latent = torch.stack([key_cache[i, o, 0] for i, o in idx])  # [T, L]
+        k_pe = torch.stack([value_cache[i, o, 0] for i, o in idx])  # [T, R]
+        kv = (latent @ kv_b.T).view(n, heads, nope + v).transpose(0, 1)  # kv_b_proj over the cache
+        k = torch.cat((kv[..., :nope], k_pe.expand(heads, n, rope)), -1)
+        q = torch.cat((q_nope[b], q_pe[b]), -1)[:, None]  # [N, 1, P+R]
+        p = torch.softmax((q @ k.transpose(1, 2)).float() * scale, -1).to(dtype)
+        expected = (p @ kv[..., nope:])[:, 0]
+        torch.testing.assert_close(out[b].float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_blocks_past_seq_len_are_ignored():
+    """Cache content after seq_len (and padding ids in the table) must not leak into the result."""
+    args = list(_case(torch.float32, [6, 2], block_size=4))
+    out = mla_ops.mla_decode_attention(*args, softmax_scale=0.3)
+    tables = args[4].clone()
+    tables[1, 1:] = -1  # sequence 1 only uses its first block
+    key_cache = args[2].clone()
+    key_cache[int(tables[0, 1]), 2:] = 1e4  # sequence 0 uses rows 0..1 of its second block
+    args[2], args[4] = key_cache, tables
+    assert torch.equal(mla_ops.mla_decode_attention(*args, softmax_scale=0.3), out)
