@@ -22,8 +22,16 @@ from .ops.rope import rope  # noqa: E402
 
 __version__ = "0.1.0"
 
+
+def patch_deepseek_v2(model=None, **options):
+    """Shortcut for `mla_ops.model_patches.deepseek_v2.apply(model, **options)` (imports transformers)."""
+    from .model_patches import deepseek_v2
+
+    return deepseek_v2.apply(model, **options)
+
+
 __all__ = [
-    "backends", "config", "explain", "set_backend", "use_backend",
+    "backends", "config", "explain", "patch_deepseek_v2", "set_backend", "use_backend",
     "rms_norm", "rope", "kv_prolog", "latent_kv_prolog",
     "scatter_pa_kv_cache", "gather_pa_kv_cache", "gather_pa_kv_cache_into", "mla_decode_attention",
 ]

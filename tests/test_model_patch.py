@@ -1,0 +1,263 @@
+"""The DeepSeek-V2 model patch (dense mode) against the stock transformers model (ARCHITECTURE §5)."""
+import contextlib
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import CompileConfig, StaticCache
+from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
+
+import mla_ops
+from mla_ops.model_patches import deepseek_v2 as patch
+from hf_models import build_model, lite_attn_config, tiny_config
+
+CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MATRIX = [(c, d, a) for c in CONFIGS for d in DTYPES for a in ("eager", "sdpa")]
+MATRIX_IDS = ["-".join(m) for m in MATRIX]
+ORIGINAL_ATTENTION_FORWARD = hf.DeepseekV2Attention.forward
+ORIGINAL_RMSNORM_FORWARD = hf.DeepseekV2RMSNorm.forward
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_patches():
+    yield
+    patch.revert()
+    assert hf.DeepseekV2Attention.forward is ORIGINAL_ATTENTION_FORWARD
+
+
+class MlaCalls(TorchDispatchMode):
+    """Counts torch.ops.mla.* calls that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "mla":
+            name = func.overloadpacket.__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _prompt(config, batch=1, length=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, config.vocab_size, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("config_name,dtype_name,attn", MATRIX, ids=MATRIX_IDS)
+def test_prefill_logits_bit_identical(config_name, dtype_name, attn):
+    config = CONFIGS[config_name]()
+    model = build_model(config, DTYPES[dtype_name], attn)
+    ids = _prompt(config, batch=2, length=19)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with patch.apply(model), MlaCalls() as calls:
+            got = model(ids).logits
+    assert calls.counts == {"kv_prolog": config.num_hidden_layers}
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("config_name,dtype_name,attn", MATRIX, ids=MATRIX_IDS)
+def test_decode_logits_16_steps(config_name, dtype_name, attn):
+    """bf16: bit-identical. fp32: within 1e-5 — the patch runs kv_b on each new token (a 1-row GEMM)
+    while stock re-runs it over the whole latent cache (a T-row GEMM); fp32 GEMMs of different M
+    block the reduction differently (last-bit differences, amplified to ~1e-6 in logits).
+    In bf16 both GEMMs round the same fp32 sums to the same bf16 values while T <= 36 rows (oneDNN
+    switches kernels at 37 rows on this build and then stock's *own* K for an old token changes by an
+    ulp as the cache grows), so the prompt + 16 steps stays at 32 tokens."""
+    config = CONFIGS[config_name]()
+    model = build_model(config, DTYPES[dtype_name], attn)
+    ids = _prompt(config, length=16)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+        with patch.apply(model):
+            got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, expected.logits)):
+        if dtype_name == "bf16":
+            assert torch.equal(a, b), f"step {step}"
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("config_name,dtype_name", [(c, d) for c in CONFIGS for d in DTYPES])
+def test_greedy_generate_32_tokens_and_padded_batch(config_name, dtype_name):
+    config = CONFIGS[config_name]()
+    model = build_model(config, DTYPES[dtype_name], "sdpa")
+    single = _prompt(config, length=12)
+    # three prompts of different lengths, left-padded like a tokenizer for generation would
+    lengths = [12, 5, 9]
+    batch = torch.full((3, 12), config.pad_token_id)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        batch[i, 12 - n:] = _prompt(config, length=n, seed=i + 1)[0]
+        mask[i, 12 - n:] = 1
+    gen = dict(do_sample=False, pad_token_id=config.pad_token_id)
+    with torch.no_grad():
+        expected_single = model.generate(single, max_new_tokens=32, min_new_tokens=32, **gen)
+        expected_batch = model.generate(batch, attention_mask=mask, max_new_tokens=12, **gen)
+        with patch.apply(model):
+            got_single = model.generate(single, max_new_tokens=32, min_new_tokens=32, **gen)
+            got_batch = model.generate(batch, attention_mask=mask, max_new_tokens=12, **gen)
+    assert got_single.shape[1] == 12 + 32
+    assert torch.equal(got_single, expected_single)
+    assert torch.equal(got_batch, expected_batch)
+
+
+def test_instance_scope_class_scope_and_revert():
+    config = tiny_config()
+    patched, other = build_model(config), build_model(config)
+    ids = _prompt(config)
+    with torch.no_grad():
+        expected = other(ids).logits
+    handle = patch.apply(patched)
+    attn = patched.model.layers[0].self_attn
+    assert attn.forward.__func__ is patch.native_attention_forward
+    assert other.model.layers[0].self_attn.forward.__func__ is ORIGINAL_ATTENTION_FORWARD, "other models untouched"
+    assert hf.DeepseekV2Attention.forward is ORIGINAL_ATTENTION_FORWARD, "instance patch leaves the class alone"
+    patch.apply(patched)  # applying twice is harmless
+    handle.revert()
+    handle.revert()  # and so is reverting twice
+    patch.revert()
+    assert "forward" not in attn.__dict__ and attn.forward.__func__ is ORIGINAL_ATTENTION_FORWARD
+    with torch.no_grad():
+        assert torch.equal(patched(ids).logits, expected)
+
+    with patch.apply(rms_norm=True) as class_handle:  # class level: models built afterwards use the ops
+        assert hf.DeepseekV2Attention.forward is patch.native_attention_forward
+        assert hf.DeepseekV2RMSNorm.forward is patch.rms_norm_forward
+        fresh = build_model(config)
+        with torch.no_grad(), MlaCalls() as calls:
+            got = fresh(ids).logits
+        assert calls.counts["kv_prolog"] == 2 and calls.counts["rms_norm"] == 2 * 2 + 1
+        assert torch.equal(got, expected)
+        assert class_handle.active
+    assert hf.DeepseekV2Attention.forward is ORIGINAL_ATTENTION_FORWARD
+    assert hf.DeepseekV2RMSNorm.forward is ORIGINAL_RMSNORM_FORWARD
+    assert not patch.active_patches()
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_rope_and_rms_norm_options_route_their_ops(dtype_name):
+    config = lite_attn_config()
+    model = build_model(config, DTYPES[dtype_name], "sdpa")
+    ids = _prompt(config, batch=2, length=7)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with patch.apply(model, kv_prolog=False, rope=True, rms_norm=True), MlaCalls() as calls:
+            got_stock_kv = model(ids).logits
+        with patch.apply(model, kv_prolog=True, rope=True, rms_norm=True), MlaCalls() as calls_all:
+            got_all = model(ids).logits
+    layers = config.num_hidden_layers
+    # without kv_prolog: q_pe and k_pe rotations; every RMSNorm incl. kv_a_layernorm and the final norm
+    assert calls.counts == {"rope": 2 * layers, "rms_norm": 3 * layers + 1}
+    assert calls_all.counts == {"kv_prolog": layers, "rope": layers, "rms_norm": 2 * layers + 1}
+    assert torch.equal(got_stock_kv, expected) and torch.equal(got_all, expected)
+
+
+def test_static_cache_fullgraph_compile_has_kv_prolog_and_matches_stock():
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=8)
+
+    def greedy(step_fn, cache, steps=6):
+        tokens, out = ids, []
+        pos = torch.arange(ids.shape[1])
+        logits = step_fn(tokens, pos, cache)
+        for _ in range(steps):
+            nxt = logits[:, -1:].argmax(-1)
+            out.append(nxt)
+            pos = pos[-1:] + 1
+            logits = step_fn(nxt, pos, cache)
+        return torch.cat(out, 1)
+
+    def step(m):
+        return lambda tokens, pos, cache: m(tokens, cache=cache, position_ids=pos[None], use_cache=True).logits
+
+    with torch.no_grad():
+        expected = greedy(step(model), StaticCache(config=config, max_cache_len=32))
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        with patch.apply(model):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=capture, fullgraph=True)
+            got = greedy(step(compiled), StaticCache(config=config, max_cache_len=32))
+            decode_cache = StaticCache(config=config, max_cache_len=32)
+            step(model)(ids, torch.arange(8), decode_cache)
+            explanation = torch._dynamo.explain(model)(ids[:, :1], cache=decode_cache,
+                                                       position_ids=torch.tensor([[8]]), use_cache=True)
+    targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.mla.kv_prolog.default in targets or torch.ops.mla.kv_prolog in targets
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert torch.equal(got, expected)
+
+
+def test_generate_with_static_cache_and_compile_config():
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=8)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+        compile_config = CompileConfig(fullgraph=True, dynamic=False)
+        compile_config._compile_all_devices = True  # transformers only auto-compiles on CPU when asked to
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        with patch.apply(model):
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                                 compile_config=compile_config)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "generate did not compile the decode step"
+    assert torch.equal(got, expected)
+
+
+def test_patched_model_still_trains():
+    """Gradients of the attention weights match stock: same maths, but the registered backward
+    formulas associate the sums differently from autograd through the stock ops, so fp32 agrees to
+    rounding (rtol 1e-4 on grads of magnitude ~1e-2, atol 1e-6)."""
+    config = tiny_config()
+    stock, patched = build_model(config), build_model(config)
+    stock.train()
+    patched.train()
+    ids = _prompt(config, batch=2, length=10)
+    stock(ids, labels=ids).loss.backward()
+    with patch.apply(patched, rms_norm=True, rope=True):
+        loss = patched(ids, labels=ids).loss
+        loss.backward()
+    names = ["q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    for layer_s, layer_p in zip(stock.model.layers, patched.model.layers):
+        for name in names:
+            g_s = getattr(layer_s.self_attn, name).weight.grad
+            g_p = getattr(layer_p.self_attn, name).weight.grad
+            torch.testing.assert_close(g_p, g_s, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_version_outside_supported_range_is_refused(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.22.0")
+    monkeypatch.delenv(patch.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=r"supports transformers >= 5\.24\.0, < 5\.25\.0 .* found 5\.22\.0"):
+        patch.apply()
+    monkeypatch.setenv(patch.ALLOW_UNTESTED_ENV, "1")
+    patch.apply().revert()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="cache must be one of"):
+        patch.apply(cache="latent")
+    with pytest.raises(ValueError, match="no DeepSeek-V2 attention module found in Linear"):
+        patch.apply(torch.nn.Linear(2, 2))
+    assert not patch.active_patches()
+
+
+def test_top_level_shortcut():
+    model = build_model(tiny_config())
+    with mla_ops.patch_deepseek_v2(model) as handle:
+        assert handle.patched_modules == 2
