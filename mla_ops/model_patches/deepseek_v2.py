@@ -129,8 +129,10 @@ def native_attention_forward(self, hidden_states, attention_mask=None, cache=Non
     if opts.cache == "paged":
         from . import paged
 
-        return paged.native_paged_attention_forward(self, hidden_states, attention_mask, cache,
-                                                    position_embeddings, **kwargs)
+        if isinstance(cache, paged.MLAPagedCache):
+            return paged.native_paged_attention_forward(self, hidden_states, attention_mask, cache,
+                                                        position_embeddings, **kwargs)
+        # no cache, or a cache of another kind passed in explicitly: the dense path serves it
     hf = _native_module()
     batch, seq = hidden_states.shape[:-1]
     q_nope, q_pe = _query(self, hidden_states)
@@ -293,6 +295,22 @@ def _set_attr(obj, name: str, value, handle: PatchHandle, *, in_dict: bool = Fal
             delattr(obj, name)
 
     handle._undo.append(undo)
+
+
+def stock_attr(obj, name: str):
+    """obj.name as it was before mla_ops patched it (the current value if it is not patched)."""
+    entry = _ORIGINALS.get((id(obj), name))
+    if entry is None:
+        return getattr(obj, name)
+    if entry[1] is not _MISSING:
+        return entry[1]
+    # The stock value was inherited: look past obj's own (patched) entry.
+    if isinstance(obj, type):
+        for base in obj.__mro__[1:]:
+            if name in base.__dict__:
+                return base.__dict__[name]
+        raise AttributeError(name)
+    return getattr(type(obj), name)
 
 
 def _patch_module(module, forward, options, handle) -> None:

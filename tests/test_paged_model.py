@@ -1,0 +1,256 @@
+"""`apply(model, cache="paged")`: the paged latent cache + absorbed decode against stock transformers."""
+import pytest
+import torch
+from transformers import CompileConfig, DynamicCache
+from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
+
+from mla_ops.model_patches import deepseek_v2 as patch
+from mla_ops.model_patches.paged import MLAPagedCache
+from hf_models import build_model, lite_attn_config, tiny_config
+from test_model_patch import MlaCalls, _prompt
+
+CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
+STOCK_MODEL_FORWARD = hf.DeepseekV2Model.forward
+
+
+@pytest.fixture(autouse=True)
+def _revert():
+    yield
+    patch.revert()
+    assert hf.DeepseekV2Model.forward is STOCK_MODEL_FORWARD
+    assert "_prepare_cache_for_generation" not in hf.DeepseekV2ForCausalLM.__dict__
+
+
+def _greedy(**extra):
+    return dict(do_sample=False, output_logits=True, return_dict_in_generate=True, **extra)
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_greedy_tokens_identical_to_stock_fp32(config_name):
+    config = CONFIGS[config_name]()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=20)
+    with torch.no_grad():
+        expected = model.generate(ids, **_greedy(max_new_tokens=24, min_new_tokens=24))
+        with patch.apply(model, cache="paged"), MlaCalls() as calls:
+            got = model.generate(ids, **_greedy(max_new_tokens=24, min_new_tokens=24))
+    assert isinstance(got.past_key_values, MLAPagedCache)
+    assert torch.equal(got.sequences, expected.sequences)
+    layers = config.num_hidden_layers
+    assert calls.counts["mla_decode_attention"] == 23 * layers  # every step after the prefill is absorbed
+    assert calls.counts["latent_kv_prolog"] == calls.counts["scatter_pa_kv_cache"] == 24 * layers
+    assert "kv_prolog" not in calls.counts
+    # prefill: stock's own arithmetic (bit-identical); decode: absorbed, equal to fp32 rounding
+    assert torch.equal(got.logits[0], expected.logits[0])
+    for a, b in zip(got.logits[1:], expected.logits[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def _teacher_forced_logits(model, tokens, prompt_len):
+    """Prefill tokens[:, :prompt_len], then feed the rest one by one; logits of every position."""
+    out = model(tokens[:, :prompt_len], use_cache=True)
+    cache, logits = out.past_key_values, [out.logits[:, -1]]
+    for t in range(prompt_len, tokens.shape[1]):
+        out = model(tokens[:, t:t + 1], cache=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return logits
+
+
+def test_bf16_logits_within_tolerance_of_stock():
+    """bf16, V2-Lite attention dims, the same 16 tokens fed to both (teacher forcing).
+
+    The absorbed decode rounds to bf16 at other places than stock's materialised path (q_nope @ W_UK,
+    the attention scores and probabilities, o_latent, o_latent @ W_UV; see
+    mla_ops/ops/reference/decode_attention.py), each a relative 2^-9. The MLPs are dense here: with
+    MoE, top-k routing is discontinuous and a 1-ulp change can switch an expert, which moves
+    logits by ~0.3 for stock bf16 itself against fp32. Measured over 5 seeds: |paged - stock| <= 0.055
+    on logits up to |3.9|, and paged is as far from the fp32 model as stock bf16 is (ratio <= 1.2)."""
+    config = lite_attn_config(first_k_dense_replace=2)  # both layers dense MLPs, no MoE routing
+    model = build_model(config, torch.bfloat16, "sdpa")
+    reference = build_model(config, torch.float32, "sdpa")  # same seed: the fp32 weights bf16 rounds
+    tokens = _prompt(config, length=40)
+    with torch.no_grad():
+        fp32 = _teacher_forced_logits(reference, tokens, 24)
+        expected = _teacher_forced_logits(model, tokens, 24)
+        with patch.apply(model, cache="paged"):
+            got = _teacher_forced_logits(model, tokens, 24)
+    assert torch.equal(got[0], expected[0]), "prefill is stock's arithmetic"
+
+    def worst(a_list, b_list):
+        return max((a.float() - b.float()).abs().max().item() for a, b in zip(a_list, b_list))
+
+    assert 0 < worst(got, expected) <= 0.1
+    assert worst(got, fp32) <= 1.5 * worst(expected, fp32)
+
+
+def test_padded_batch_equals_one_at_a_time():
+    config = lite_attn_config()
+    model = build_model(config, torch.float32, "sdpa")
+    prompts = [_prompt(config, length=n, seed=s)[0] for s, n in enumerate((12, 5, 9))]
+    batch = torch.full((3, 12), config.pad_token_id)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        batch[i, 12 - len(p):], mask[i, 12 - len(p):] = p, 1
+    gen = dict(do_sample=False, pad_token_id=config.pad_token_id, max_new_tokens=10, min_new_tokens=10)
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        singles = [model.generate(p[None], **gen)[0, len(p):] for p in prompts]
+        out = model.generate(batch, attention_mask=mask, return_dict_in_generate=True, **gen)
+    for i in range(3):
+        assert torch.equal(out.sequences[i, 12:], singles[i]), f"row {i}"
+    cache = out.past_key_values
+    # padding is never stored: each row holds its real tokens (the last generated one is not fed back)
+    assert cache.seq_lens.tolist() == [len(p) + 9 for p in prompts]
+
+
+def test_prompt_continued_in_two_generate_calls():
+    """Continuing with the returned cache equals one call; continuing with a new user turn (a prefill
+    on top of a cached prefix: mla.gather_pa_kv_cache) equals stock on the whole text."""
+    config = lite_attn_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=10)
+    turn = _prompt(config, length=6, seed=5)
+    with torch.no_grad():
+        with patch.apply(model, cache="paged"):
+            one = model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12)
+            first = model.generate(ids, **_greedy(max_new_tokens=5, min_new_tokens=5))
+            second = model.generate(first.sequences, cache=first.past_key_values, do_sample=False,
+                                    max_new_tokens=7, min_new_tokens=7)
+            assert torch.equal(second, one)
+            first = model.generate(ids, **_greedy(max_new_tokens=5, min_new_tokens=5))
+            text = torch.cat((first.sequences, turn), dim=1)
+            with MlaCalls() as calls:
+                continued = model.generate(text, cache=first.past_key_values, do_sample=False, max_new_tokens=6,
+                                           min_new_tokens=6)
+            assert calls.counts["gather_pa_kv_cache"] == config.num_hidden_layers  # one prefix prefill
+        expected = model.generate(text, do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    assert torch.equal(continued, expected)
+
+
+def test_cache_memory_is_the_latent():
+    """bf16, V2-Lite dims: 576 values = 1152 B per token and layer, within one block of it."""
+    config = lite_attn_config()
+    model = build_model(config, torch.bfloat16, "sdpa")
+    ids = _prompt(config, length=150)
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        out = model(ids, use_cache=True)
+    report = out.past_key_values.memory_report()
+    assert report["payload_bytes_per_token_per_layer"] == 1152
+    block = report["block_size"]
+    assert report["tokens"] == 150
+    assert 1152 <= report["bytes_per_token_per_layer"] <= 1152 * (150 + block) / 150
+    dense_per_token = 2 * config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim
+                                                        + config.v_head_dim)
+    assert dense_per_token == 10240  # what cache="dense" holds per token and layer, for comparison
+
+
+def test_dynamic_pool_grows_block_by_block():
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=5)
+    with torch.no_grad():
+        expected = model.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+        with patch.apply(model, cache="paged"):
+            cache = MLAPagedCache(config, block_size=4)  # no size hint: one block per row to start with
+            got = model.generate(ids, cache=cache, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+    assert torch.equal(got, expected)
+    assert cache.layers[0].latent_pool.shape[0] >= 6 and len(cache._blocks_host[0]) == 6  # 24 tokens / 4
+
+
+def test_sampling_matches_stock_under_the_same_seed():
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=8)
+    gen = dict(do_sample=True, top_k=20, temperature=0.9, max_new_tokens=16, min_new_tokens=16)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        expected = model.generate(ids, **gen)
+        with patch.apply(model, cache="paged"):
+            torch.manual_seed(7)
+            got = model.generate(ids, **gen)
+    assert torch.equal(got, expected)
+
+
+def test_beam_search_and_other_caches():
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=6)
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        with pytest.raises(NotImplementedError, match="does not support beam search"):
+            model.generate(ids, num_beams=2, max_new_tokens=3)
+        # a cache passed in explicitly is respected (served by the dense path)
+        dynamic = DynamicCache(config=config)
+        out = model.generate(ids, cache=dynamic, do_sample=False, max_new_tokens=4, return_dict_in_generate=True)
+        assert out.past_key_values is dynamic
+        assert dynamic.layers[0].keys.shape[-1] == config.qk_nope_head_dim + config.qk_rope_head_dim
+    with torch.no_grad():
+        assert torch.equal(out.sequences, model.generate(ids, do_sample=False, max_new_tokens=4))
+
+
+def test_static_cache_decode_compiles_fullgraph_and_matches_eager():
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=8)
+
+    def greedy(forward, cache, steps=6):
+        pos = torch.arange(ids.shape[1])
+        logits = forward(ids, cache=cache, position_ids=pos[None], use_cache=True).logits
+        out = []
+        for _ in range(steps):
+            nxt = logits[:, -1:].argmax(-1)
+            out.append(nxt)
+            pos = pos[-1:] + 1
+            logits = forward(nxt, cache=cache, position_ids=pos[None], use_cache=True).logits
+        return torch.cat(out, 1)
+
+    def static_cache():
+        return MLAPagedCache(config, static=True, batch_size=1, max_cache_len=32, block_size=4)
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        eager = greedy(model, static_cache())
+        torch._dynamo.reset()
+        compiled = greedy(torch.compile(model, backend=capture, fullgraph=True), static_cache())
+        decode_cache = static_cache()
+        model(ids, cache=decode_cache, position_ids=torch.arange(8)[None], use_cache=True)
+        explanation = torch._dynamo.explain(model)(ids[:, :1], cache=decode_cache,
+                                                   position_ids=torch.tensor([[8]]), use_cache=True)
+        compile_config = CompileConfig(fullgraph=True, dynamic=False)
+        compile_config._compile_all_devices = True
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        generated = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                                   compile_config=compile_config, return_dict_in_generate=True)
+    assert torch.equal(compiled, eager)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if "mla" in str(n.target)}
+    assert {"mla.mla_decode_attention", "mla.scatter_pa_kv_cache", "mla.latent_kv_prolog"} <= targets
+    assert isinstance(generated.past_key_values, MLAPagedCache) and generated.past_key_values.static
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert torch.equal(generated.sequences[:, 8:], eager)
+
+
+def test_class_level_paged_patch():
+    config = tiny_config()
+    ids = _prompt(config, length=6)
+    with patch.apply(cache="paged"):
+        model = build_model(config)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+        assert isinstance(out.past_key_values, MLAPagedCache)
+    stock = build_model(config)
+    with torch.no_grad():
+        assert isinstance(stock(ids, use_cache=True).past_key_values, DynamicCache)
+
+
+def test_static_cache_overflow_is_a_clear_error():
+    config = tiny_config()
+    model = build_model(config)
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=8, block_size=4)
+        with pytest.raises(ValueError, match=r"holds 8 tokens per row \(max_cache_len=8\); this forward needs 10"):
+            model(_prompt(config, length=10), cache=cache, use_cache=True)
