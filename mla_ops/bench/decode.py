@@ -1,0 +1,156 @@
+"""Decode latency with a long context: stock transformers vs cache="dense" vs cache="paged".
+
+Model: lite-attn (DeepSeek-V2-Lite's attention dims, 2 layers, small MoE, vocab 1024), bf16, sdpa.
+For each context length T the three variants hold a cache of T tokens (filled with random values in
+each cache's own layout: timing does not depend on the values, and a real prefill of 8k tokens
+through stock would take minutes) and decode one token; after every timed step the cache is cropped
+back to T. Variants run interleaved in one process; ratios are medians of per-round ratios.
+
+Also measured: the attention layer's decode step alone — from (q_nope, rotated q_pe, the layer's
+cache) to the per-head output [B, N, V] — stock's `expand_kv` + sdpa against the absorbed
+`q_nope @ W_UK` -> `mla.mla_decode_attention` -> `@ W_UV`; and the cache bytes per token and layer.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+import mla_ops  # noqa: F401
+from ..configs import build_model, lite_attn_config
+from ..model_patches import deepseek_v2 as patch
+from ..model_patches.paged import MLAPagedCache
+from .timing import interleaved_medians, median_ratio
+
+CONTEXTS = (512, 2048, 4096, 8192)
+
+
+def _filled_dynamic_cache(config, shapes, dtype, generator):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for layer in range(config.num_hidden_layers):
+        k_shape, v_shape = shapes
+        cache.update(torch.randn(*k_shape, generator=generator).to(dtype),
+                     torch.randn(*v_shape, generator=generator).to(dtype), layer)
+    return cache
+
+
+def _filled_paged_cache(config, tokens, dtype, generator, block_size):
+    cache = MLAPagedCache(config, block_size=block_size, batch_size=1, max_cache_len=tokens + block_size,
+                          dtype=dtype)
+    plan = cache.begin_forward(None, 1, tokens, dtype, torch.device("cpu"))
+    for layer in cache.layers:
+        latent = torch.randn(tokens, 1, config.kv_lora_rank, generator=generator).to(dtype)
+        k_pe = torch.randn(tokens, 1, config.qk_rope_head_dim, generator=generator).to(dtype)
+        torch.ops.mla.scatter_pa_kv_cache(latent, k_pe, layer.latent_pool, layer.k_pe_pool, plan.slot_mapping)
+    cache.end_forward()
+    return cache
+
+
+def _cache_bytes_per_token_per_layer(cache, tokens, layers):
+    if isinstance(cache, MLAPagedCache):
+        return cache.memory_report()["bytes_per_token_per_layer"]
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    return held / tokens / layers
+
+
+def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, min_run_time=0.3,
+                         block_size=64, seed=0) -> list[dict]:
+    config = lite_attn_config()
+    stock = build_model(config, dtype, "sdpa", seed=seed)
+    dense, paged = copy.deepcopy(stock), copy.deepcopy(stock)
+    handles = [patch.apply(dense), patch.apply(paged, cache="paged")]
+    g = torch.Generator().manual_seed(seed)
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    rows = []
+    try:
+        for tokens in contexts:
+            latent_shapes = ((1, 1, tokens, config.kv_lora_rank), (1, 1, tokens, config.qk_rope_head_dim))
+            dense_shapes = ((1, heads, tokens, config.qk_nope_head_dim + config.qk_rope_head_dim),
+                            (1, heads, tokens, config.v_head_dim))
+            caches = {
+                "stock": (stock, _filled_dynamic_cache(config, latent_shapes, dtype, g)),
+                "dense": (dense, _filled_dynamic_cache(config, dense_shapes, dtype, g)),
+                "paged": (paged, _filled_paged_cache(config, tokens, dtype, g, block_size)),
+            }
+            token = torch.tensor([[7]])
+            position = torch.tensor([[tokens]])
+
+            def step(model, cache):
+                def run():
+                    with torch.no_grad():
+                        model(token, cache=cache, position_ids=position, use_cache=True)
+                    cache.crop(-1)
+                return run
+
+            results = interleaved_medians({name: step(*mc) for name, mc in caches.items()}, rounds=rounds,
+                                          min_run_time=min_run_time)
+            for name, (_, cache) in caches.items():
+                rows.append({
+                    "context": tokens, "variant": name, "ms_per_token": results[name]["median_s"] * 1e3,
+                    "stock_over_variant": median_ratio(results, "stock", name),
+                    "cache_bytes_per_token_per_layer": _cache_bytes_per_token_per_layer(cache, tokens, layers),
+                })
+    finally:
+        for h in handles:
+            h.revert()
+    return rows
+
+
+def measure_attention_step(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=5, min_run_time=0.2,
+                           block_size=64, seed=0) -> list[dict]:
+    """One attention layer's decode step, from (q_nope, rotated q_pe, cache) to [B, N, V]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
+
+    from ..model_patches.paged import _absorbed_weights
+
+    config = lite_attn_config()
+    torch.manual_seed(seed)
+    config._attn_implementation = "sdpa"
+    attn = hf.DeepseekV2Attention(config, layer_idx=0).to(dtype).eval()
+    g = torch.Generator().manual_seed(seed)
+    heads, nope, rope, lora = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, \
+        config.kv_lora_rank
+    q_nope = torch.randn(1, heads, 1, nope, generator=g).to(dtype)
+    q_pe = torch.randn(1, heads, 1, rope, generator=g).to(dtype)
+    query = torch.cat((q_nope, q_pe), dim=-1)
+    w_uk, w_uv_t = _absorbed_weights(attn)
+    rows = []
+    for tokens in contexts:
+        latent = torch.randn(1, 1, tokens, lora, generator=g).to(dtype)
+        k_pe = torch.randn(1, 1, tokens, rope, generator=g).to(dtype)
+        blocks = -(-tokens // block_size)
+        latent_pool = torch.zeros(blocks, block_size, 1, lora, dtype=dtype)
+        k_pe_pool = torch.zeros(blocks, block_size, 1, rope, dtype=dtype)
+        latent_pool.view(-1, lora)[:tokens] = latent[0, 0]
+        k_pe_pool.view(-1, rope)[:tokens] = k_pe[0, 0]
+        tables = torch.arange(blocks, dtype=torch.int32)[None]
+        seq_lens = torch.tensor([tokens])
+
+        def stock():
+            with torch.no_grad():
+                key, value = attn.expand_kv(latent, k_pe)
+                return sdpa_attention_forward(attn, query, key, value, None, scaling=attn.scaling)[0]
+
+        def absorbed():
+            with torch.no_grad():
+                q_latent = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_uk).transpose(0, 1)
+                o_latent = torch.ops.mla.mla_decode_attention(q_latent, q_pe[:, :, 0], latent_pool, k_pe_pool,
+                                                              tables, seq_lens, attn.scaling)
+                return torch.bmm(o_latent.transpose(0, 1), w_uv_t).transpose(0, 1)
+
+        results = interleaved_medians({"stock": stock, "absorbed": absorbed}, rounds=rounds,
+                                      min_run_time=min_run_time)
+        rows.append({"context": tokens, "stock_ms": results["stock"]["median_s"] * 1e3,
+                     "absorbed_ms": results["absorbed"]["median_s"] * 1e3,
+                     "stock_over_absorbed": median_ratio(results, "stock", "absorbed")})
+    return rows
+
+
+def environment() -> dict:
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "MALLOC_MMAP_MAX_": os.environ.get("MALLOC_MMAP_MAX_"),
+            "MALLOC_TRIM_THRESHOLD_": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
