@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mla_ops", "mla_ops.*"]),
-    package_data={"mla_ops": ["assets/*"]},
+    package_data={"mla_ops": ["assets/builtin_tokenizer/*"]},
     # torch is deliberately unpinned here (pinned in requirements.txt): the package works with the
     # torch a user already has (CPU, CUDA or torch_npu builds); transformers is needed by the model
     # patches and the CLI only.

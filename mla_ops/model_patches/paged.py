@@ -526,6 +526,8 @@ def _prepare_cache_with_paged(original):
         if generation_config.num_beams > 1:
             _unsupported("beam search (num_beams > 1)")
         static = generation_config.cache_implementation == "static"
+        if static and generation_config.max_cache_len is not None:  # as transformers sizes StaticCache
+            max_cache_length = max(max_cache_length, generation_config.max_cache_len)
         config = self.config.get_text_config(decoder=True)
         model_kwargs["cache"] = MLAPagedCache(config, batch_size=batch_size, max_cache_len=max_cache_length,
                                               static=static, dtype=self.dtype, device=self.device)

@@ -1,0 +1,261 @@
+"""`mla-ops ask`: the original ask_DeepSeek-V2-Lite-Chat.py, offline, on any device.
+
+Loads a local DeepSeek-V2 checkpoint (or the built-in model), optionally routes parts of it through
+torch.ops.mla (--use_pto: RMSNorm, --use_rope: RoPE, --use_kv_fusion: the fused KV prolog), optionally
+compiles it for graph execution (--use_acl_graph), generates an answer and reports the original
+script's metrics: load time and peak memory, tokenize time, generation time, generated tokens,
+tokens/s and generation peak memory (plus time to first token and decode tokens/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import time
+
+import torch
+
+from .runtime import CliError, PeakMemory, offline_environment, resolve_device, timed
+
+DEFAULT_PROMPT = "Introduce the Python programming language in a few sentences."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_argument_group("input and model")
+    src.add_argument("--prompt", help="the question to ask; wins over --sentence_file "
+                                      f"(default when neither is given: {DEFAULT_PROMPT!r})")
+    src.add_argument("--sentence_file", help="read the prompt from this text file (its lines joined with newlines)")
+    src.add_argument("--model-path", "--model_path", dest="model_path", default=os.environ.get("MODEL_PATH"),
+                     help="local checkpoint directory (config.json, *.safetensors, tokenizer files); defaults to "
+                          "$MODEL_PATH; without either, a built-in small DeepSeek-V2 with random weights is used")
+    src.add_argument("--device", default="cpu",
+                     help="cpu, or an accelerator index as in the original script (0, 1, ...: an Ascend NPU "
+                          "with torch_npu, else a CUDA GPU), or npu:N / cuda:N (default: cpu)")
+    src.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                     help="weights and activations dtype (default auto: the checkpoint's dtype, bf16 for the "
+                          "built-in model)")
+    src.add_argument("--trust-remote-code", action="store_true",
+                     help="run the checkpoint's own modeling code (modeling_deepseek.py) instead of transformers' "
+                          "native DeepSeek-V2; only with code you trust")
+    src.add_argument("--allow-pickle", action="store_true",
+                     help="allow pickle weights (*.bin/*.pt) when the checkpoint has no safetensors; pickle can run "
+                          "arbitrary code")
+    src.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention kernel (default: sdpa)")
+    gen = parser.add_argument_group("generation")
+    gen.add_argument("--output_length", "--output-length", dest="output_length", type=int, default=100,
+                     help="maximum new tokens (default: 100)")
+    gen.add_argument("--min-output-length", type=int, default=None,
+                     help="force at least this many new tokens (default: none; the built-in model's random "
+                          "weights may stop early on its end token)")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="feed the prompt as plain text even when the tokenizer has a chat template")
+    gen.add_argument("--no-stream", action="store_true", help="do not print tokens while they are generated")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights (default: 0)")
+    ops = parser.add_argument_group("mla ops (the original flags)")
+    ops.add_argument("--use_pto", "--use-pto", dest="use_pto", action="store_true",
+                     help="RMSNorm through torch.ops.mla.rms_norm")
+    ops.add_argument("--use_rope", "--use-rope", dest="use_rope", action="store_true",
+                     help="RoPE of q_pe (and k_pe) through torch.ops.mla.rope")
+    ops.add_argument("--use_kv_fusion", "--use-kv-fusion", dest="use_kv_fusion", action="store_true",
+                     help="the MLA KV prolog through the fused torch.ops.mla.kv_prolog")
+    ops.add_argument("--cache", default="dense", choices=["dense", "paged"],
+                     help="with --use_kv_fusion: 'dense' caches full per-head K/V (the original design); 'paged' "
+                          "keeps the 576-value MLA latent in a paged cache and decodes with absorbed attention")
+    ops.add_argument("--use_acl_graph", "--use-acl-graph", dest="use_acl_graph", action="store_true",
+                     help="graph execution: torchair aclgraph on NPU, CUDA graphs on GPU, inductor fullgraph on CPU")
+    out = parser.add_argument_group("output")
+    out.add_argument("--report-file", "--report_file", dest="report_file",
+                     help="write the metrics as JSON to this file")
+    out.add_argument("--quiet", action="store_true", help="print only the answer and the metrics")
+
+
+def read_prompt(args) -> str:
+    if args.prompt:
+        return args.prompt
+    if args.sentence_file:
+        path = pathlib.Path(args.sentence_file)
+        if not path.is_file():
+            raise CliError(f"--sentence_file {path}: no such file")
+        lines = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
+        text = "\n".join(line for line in lines if line.strip())
+        if not text:
+            raise CliError(f"--sentence_file {path}: the file is empty")
+        return text
+    return DEFAULT_PROMPT
+
+
+def _validate(args) -> None:
+    if args.output_length <= 0:
+        raise CliError(f"--output_length must be positive, got {args.output_length}")
+    if args.min_output_length is not None and not 0 <= args.min_output_length <= args.output_length:
+        raise CliError(f"--min-output-length must be between 0 and --output_length ({args.output_length})")
+    if args.cache == "paged" and not args.use_kv_fusion:
+        raise CliError("--cache paged needs --use_kv_fusion (the paged latent cache is fed by the fused prolog)")
+
+
+class _TimingStreamer:
+    """A transformers streamer that records when each token arrives (and optionally prints text)."""
+
+    def __init__(self, tokenizer, show: bool):
+        from transformers import TextStreamer
+
+        self.text = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if show else None
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:  # the first put() is the prompt
+            self._prompt_seen = True
+        else:
+            self.times.append(time.perf_counter())
+        if self.text is not None:
+            self.text.put(value)
+
+    def end(self):
+        if self.text is not None:
+            self.text.end()
+
+
+def run(args) -> dict:
+    _validate(args)
+    offline_environment()
+    prompt = read_prompt(args)
+    device = resolve_device(args.device)
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[mla-ops] {msg}", flush=True))
+    from . import loading
+    from ..model_patches import deepseek_v2
+
+    memory = PeakMemory(device)
+    memory.reset()
+    with timed(device) as load_time:
+        loaded = loading.load(args.model_path, args.dtype, device, trust_remote_code=args.trust_remote_code,
+                              allow_pickle=args.allow_pickle, attn=args.attn, seed=args.seed, progress=say)
+    load_peak = memory.peak_mb()
+    for note in loaded.notes:
+        say(f"NOTE: {note}")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    say(f"loaded {loaded.source} on {device} ({loaded.dtype}) in {load_time['seconds']:.2f} s")
+
+    options = dict(kv_prolog=args.use_kv_fusion, rms_norm=args.use_pto, rope=args.use_rope,
+                   cache=args.cache if args.use_kv_fusion else "dense")
+    handle = None
+    if args.use_kv_fusion or args.use_pto or args.use_rope:
+        handle = deepseek_v2.apply(model, **options)
+        say(f"routed through torch.ops.mla: {', '.join(k for k in ('kv_prolog', 'rms_norm', 'rope') if options[k])}"
+            + (f" (cache={options['cache']})" if args.use_kv_fusion else ""))
+        if device.type == "npu" and args.use_kv_fusion:
+            from ..ops import npu
+
+            say(f"compiling the NPU kv_prolog kernels for {npu.warmup_token_counts()} tokens")
+            npu.warmup(model)
+    else:
+        say("baseline: the stock transformers model (no mla op)")
+
+    generate_kwargs = dict(max_new_tokens=args.output_length, do_sample=False)
+    if args.min_output_length:
+        generate_kwargs["min_new_tokens"] = args.min_output_length
+    if args.use_acl_graph:
+        from .graph import compile_settings
+
+        generate_kwargs.update(compile_settings(device, say))
+
+    with timed(device) as tok_time:
+        use_template = getattr(tokenizer, "chat_template", None) and not args.no_chat_template
+        if use_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                 tokenize=False)
+            encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        else:
+            encoded = tokenizer(prompt, return_tensors="pt")
+        input_ids = encoded.input_ids.to(device)
+        attention_mask = encoded.attention_mask.to(device)
+
+    compile_seconds = None
+    if args.use_acl_graph:
+        # One static cache size for warm-up and the measured run, so the compiled step is reused.
+        generate_kwargs["max_cache_len"] = input_ids.shape[1] + args.output_length
+        # Compile outside the timed generation, as the original warmed up before measuring: a
+        # two-token generate traces and compiles the decode step (transformers compiles decode only).
+        say("graph mode: compiling the decode step (warm-up generate of 2 tokens)")
+        with torch.no_grad(), timed(device) as warm:
+            model.generate(input_ids, attention_mask=attention_mask, **{**generate_kwargs, "max_new_tokens": 2,
+                                                                        "min_new_tokens": 2})
+        compile_seconds = warm["seconds"]
+        say(f"graph mode: ready after {compile_seconds:.1f} s")
+
+    streamer = _TimingStreamer(tokenizer, show=not args.no_stream and not args.quiet)
+    if not args.quiet:
+        print(f"\nQ: {prompt}\nA: ", end="", flush=True)
+    memory.reset()
+    try:
+        with torch.no_grad(), timed(device) as gen_time:
+            start = time.perf_counter()
+            output = model.generate(input_ids, attention_mask=attention_mask, streamer=streamer, **generate_kwargs)
+    finally:
+        if handle is not None:
+            handle.revert()
+    gen_peak = memory.peak_mb()
+    new_tokens = output[0, input_ids.shape[1]:]
+    answer = tokenizer.decode(new_tokens, skip_special_tokens=True)
+    generated = int(new_tokens.numel())
+    seconds = gen_time["seconds"]
+    first = streamer.times[0] - start if streamer.times else float("nan")
+    decode_rate = ((len(streamer.times) - 1) / (streamer.times[-1] - streamer.times[0])
+                   if len(streamer.times) > 1 else float("nan"))
+    report = {
+        "model": loaded.source, "device": str(device), "dtype": str(loaded.dtype).removeprefix("torch."),
+        "options": {"use_pto": args.use_pto, "use_rope": args.use_rope, "use_kv_fusion": args.use_kv_fusion,
+                    "cache": options["cache"], "use_acl_graph": args.use_acl_graph, "attn": args.attn},
+        "prompt": prompt, "answer": answer, "chat_template": bool(use_template),
+        "load_seconds": load_time["seconds"], "load_peak_memory_mb": load_peak,
+        "tokenize_seconds": tok_time["seconds"], "prompt_tokens": int(input_ids.shape[1]),
+        "generation_seconds": seconds, "generated_tokens": generated,
+        "tokens_per_second": generated / seconds if seconds > 0 else float("nan"),
+        "time_to_first_token_seconds": first, "decode_tokens_per_second": decode_rate,
+        "generation_peak_memory_mb": gen_peak, "memory_measure": memory.source,
+        "graph_compile_seconds": compile_seconds,
+        "notes": loaded.notes,
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
+                     "mla_ops": _version("mla-ops"), "python": platform.python_version()},
+    }
+    if args.quiet:
+        print(answer)
+    print()
+    _print_metrics(report)
+    if args.report_file:
+        path = pathlib.Path(args.report_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"report written to {path}")
+    return report
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _print_metrics(r: dict) -> None:
+    print("=" * 60)
+    rows = [
+        ("model", f"{r['model']} ({r['dtype']} on {r['device']})"),
+        ("mla ops", ", ".join(k for k, v in r["options"].items() if v is True) or "none (baseline)"),
+        ("load time", f"{r['load_seconds']:.2f} s (peak memory {r['load_peak_memory_mb']:.0f} MB)"),
+        ("tokenize time", f"{r['tokenize_seconds'] * 1e3:.2f} ms ({r['prompt_tokens']} prompt tokens)"),
+        ("generation time", f"{r['generation_seconds']:.3f} s"),
+        ("generated tokens", str(r["generated_tokens"])),
+        ("throughput", f"{r['tokens_per_second']:.2f} tokens/s (first token {r['time_to_first_token_seconds']:.3f} s, "
+                       f"decode {r['decode_tokens_per_second']:.2f} tokens/s)"),
+        ("generation peak memory", f"{r['generation_peak_memory_mb']:.0f} MB ({r['memory_measure']})"),
+    ]
+    if r["graph_compile_seconds"] is not None:
+        rows.insert(2, ("graph compile", f"{r['graph_compile_seconds']:.1f} s (warm-up, not in generation time)"))
+    for name, value in rows:
+        print(f"{name:<24}{value}")
+    print("=" * 60)

@@ -1,0 +1,124 @@
+"""Model and tokenizer loading for the command line: a local checkpoint, or the built-in model.
+
+The built-in model is DeepSeek-V2 with V2-Lite's attention dimensions (hidden 2048, 16 heads,
+kv_lora_rank 512, rope 64, nope 128, v 128, YaRN), 2 layers (one dense, one MoE with 8 small
+experts), a 1024-token vocabulary and seeded random weights, with a committed offline tokenizer.
+Everything about running it is real; the text it writes is noise, because the weights are random.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Callable, Optional
+
+import torch
+
+from .runtime import CliError, resolve_dtype
+
+BUILTIN_TOKENIZER = pathlib.Path(__file__).resolve().parents[1] / "assets" / "builtin_tokenizer"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+@dataclasses.dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # "built-in" or the checkpoint directory
+    dtype: torch.dtype
+    notes: list[str]
+
+
+def builtin_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(BUILTIN_TOKENIZER, local_files_only=True)
+
+
+def builtin_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sdpa", seed: int = 0, layers: int = 2):
+    """The built-in DeepSeek-V2 (V2-Lite attention dims, random weights) sized to the built-in tokenizer."""
+    from ..configs import build_model, lite_attn_config
+
+    tokenizer = builtin_tokenizer()
+    config = lite_attn_config(vocab_size=len(tokenizer), num_hidden_layers=layers,
+                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    model = build_model(config, dtype, attn, seed=seed).to(device)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool) -> dict:
+    """Check a local checkpoint directory before touching transformers; clear errors for what is missing."""
+    if not path.exists():
+        raise CliError(f"--model-path {path}: no such directory")
+    if not path.is_dir():
+        raise CliError(f"--model-path {path}: not a directory (expected config.json, *.safetensors, tokenizer files)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CliError(f"--model-path {path}: config.json is missing; is this a transformers checkpoint directory?")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--model-path {path}: config.json is not valid JSON ({exc})") from None
+    safetensors = sorted(path.glob("*.safetensors"))
+    pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not safetensors and pickles and not allow_pickle:
+        raise CliError(
+            f"--model-path {path}: the weights are pickle files ({', '.join(p.name for p in pickles[:3])}); "
+            f"loading pickle can run arbitrary code, so mla-ops only loads safetensors. Convert the checkpoint "
+            f"to safetensors, or pass --allow-pickle if you trust its source.")
+    if not safetensors and not pickles:
+        raise CliError(f"--model-path {path}: no weights found (*.safetensors)")
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise CliError(f"--model-path {path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    return {"config": config, "safetensors": bool(safetensors)}
+
+
+def _checkpoint_dtype(config: dict) -> Optional[torch.dtype]:
+    name = config.get("torch_dtype") or config.get("dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name)
+
+
+def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, *, trust_remote_code: bool,
+                     allow_pickle: bool, attn: str = "sdpa", progress: Callable[[str], None] = print):
+    """Load a local checkpoint offline: native DeepseekV2ForCausalLM unless --trust-remote-code."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = inspect_checkpoint(path, allow_pickle=allow_pickle)
+    config = info["config"]
+    notes = []
+    if config.get("auto_map") and not trust_remote_code:
+        notes.append("the checkpoint ships remote code (auto_map); loading it with transformers' native "
+                     "DeepSeek-V2 (pass --trust-remote-code to run its modeling_deepseek.py instead)")
+    dtype = resolve_dtype(dtype_name, device, _checkpoint_dtype(config))
+    progress(f"loading tokenizer from {path}")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    progress(f"loading weights from {path} ({'safetensors' if info['safetensors'] else 'pickle'}, {dtype})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+            use_safetensors=info["safetensors"], attn_implementation=attn)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--model-path {path}: transformers could not load the checkpoint: {exc}") from None
+    model = model.to(device).eval()
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    return Loaded(model, tokenizer, str(path), dtype, notes)
+
+
+def load(model_path: Optional[str], dtype_name: str, device: torch.device, *, trust_remote_code: bool = False,
+         allow_pickle: bool = False, attn: str = "sdpa", seed: int = 0,
+         progress: Callable[[str], None] = print) -> Loaded:
+    if model_path:
+        return checkpoint_model(pathlib.Path(model_path).expanduser(), dtype_name, device,
+                                trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, attn=attn,
+                                progress=progress)
+    dtype = resolve_dtype(dtype_name, device)
+    progress("no --model-path / $MODEL_PATH: building the built-in DeepSeek-V2 (V2-Lite attention dims, "
+             "2 layers, small MoE, 1024-token vocab)")
+    model, tokenizer = builtin_model(dtype, device, attn=attn, seed=seed)
+    notes = ["the built-in model has seeded RANDOM weights: its text is noise; timings, memory and the op "
+             "paths are real"]
+    return Loaded(model, tokenizer, "built-in", dtype, notes)

@@ -1,0 +1,132 @@
+"""Devices, dtypes, memory and timing for the command line (`mla-ops ask` / `mla-ops bench`)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Iterator, Optional
+
+import torch
+
+from .._optional import has_module
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class CliError(Exception):
+    """A user-facing error: printed as `mla-ops: error: <message>`, exit status 2."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'cpu', an accelerator index ('0', as the original script's --device 7), or 'npu:1' / 'cuda:0'."""
+    spec = str(spec).strip().lower()
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec.isdigit():
+        index = int(spec)
+        if has_module("torch_npu"):
+            import torch_npu  # noqa: F401  (registers torch.npu)
+
+            if torch.npu.is_available():
+                if index >= torch.npu.device_count():
+                    raise CliError(f"--device {index}: only {torch.npu.device_count()} NPU(s) are visible")
+                return torch.device(f"npu:{index}")
+        if torch.cuda.is_available():
+            if index >= torch.cuda.device_count():
+                raise CliError(f"--device {index}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+            return torch.device(f"cuda:{index}")
+        raise CliError(f"--device {index}: no NPU (torch_npu) or CUDA device is available on this machine; "
+                       f"use --device cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise CliError(f"--device {spec!r} is not a device: use cpu, an accelerator index (0, 1, ...), "
+                       f"npu:N or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
+    if device.type == "npu":
+        return resolve_device(str(device.index or 0))
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """'auto': the checkpoint's dtype, else bf16 (fp32 on a CPU without native bf16 support)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise CliError(f"--dtype {name!r}: choose auto, fp32, bf16 or fp16")
+        return DTYPES[name]
+    if checkpoint_dtype is not None:
+        return checkpoint_dtype
+    if device.type == "cpu" and not torch.backends.mkldnn.is_available():
+        return torch.float32
+    return torch.bfloat16
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+
+
+class PeakMemory:
+    """Peak memory of a phase: device allocator peak on accelerators, peak RSS (VmHWM) on CPU.
+
+    Linux lets a process reset its own VmHWM (write 5 to /proc/self/clear_refs), so each phase gets
+    its own peak; where that is not possible the process-wide peak is reported and says so."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.source = ""
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "npu":
+            torch.npu.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as fh:
+                    fh.write("5")
+                self.source = "peak RSS of the phase"
+            except OSError:
+                self.source = "process peak RSS (could not reset it)"
+
+    def peak_mb(self) -> float:
+        if self.device.type == "cuda":
+            self.source = "CUDA allocator peak"
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.device.type == "npu":
+            self.source = "NPU allocator peak"
+            return torch.npu.max_memory_allocated(self.device) / 2**20
+        try:
+            with open("/proc/self/status") as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        import resource
+
+        self.source = "process peak RSS"
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextlib.contextmanager
+def timed(device: torch.device) -> Iterator[dict]:
+    """with timed(dev) as t: ...  -> t["seconds"], device work included."""
+    result: dict = {}
+    synchronize(device)
+    start = time.perf_counter()
+    try:
+        yield result
+    finally:
+        synchronize(device)
+        result["seconds"] = time.perf_counter() - start
+
+
+def offline_environment() -> None:
+    """No network: everything loads from local files."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,202 @@
+"""The command line: `mla-ops ask` on the built-in model and on a saved checkpoint, `mla-ops bench`."""
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mla_ops.cli import main
+
+ENV = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", HF_HUB_OFFLINE="1")
+ENV.pop("MODEL_PATH", None)
+REPORT_FIELDS = {"load_seconds", "load_peak_memory_mb", "tokenize_seconds", "generation_seconds", "generated_tokens",
+                 "tokens_per_second", "generation_peak_memory_mb", "prompt_tokens", "answer", "options", "model"}
+
+
+def run_cli(*args, env=None, timeout=600):
+    """The installed console script in a fresh process: exit code, stdout, stderr."""
+    proc = subprocess.run([sys.executable, "-m", "mla_ops", *args], capture_output=True, text=True,
+                          env=env or ENV, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(autouse=True)
+def _no_model_path(monkeypatch):
+    monkeypatch.delenv("MODEL_PATH", raising=False)
+
+
+def test_ask_subprocess_builtin_model_with_report(tmp_path):
+    report_file = tmp_path / "report.json"
+    code, out, err = run_cli("ask", "--prompt", "What is MLA?", "--output_length", "6", "--min-output-length", "6",
+                             "--use_kv_fusion", "--report-file", str(report_file))
+    assert code == 0, err
+    assert "random weights".upper() in out.upper() and "Q: What is MLA?" in out
+    report = json.loads(report_file.read_text())
+    assert REPORT_FIELDS <= set(report)
+    assert report["generated_tokens"] == 6 and report["model"] == "built-in"
+    assert report["options"]["use_kv_fusion"] and report["chat_template"]
+    assert report["tokens_per_second"] > 0 and report["generation_peak_memory_mb"] > 0
+
+
+# Every CPU-runnable combination of the original flags (+ the cache mode of --use_kv_fusion).
+FLAG_SETS = []
+for pto, rope, kv, graph in itertools.product([False, True], repeat=4):
+    for cache in (["dense", "paged"] if kv else ["dense"]):
+        flags = [f for f, on in (("--use_pto", pto), ("--use_rope", rope), ("--use_kv_fusion", kv),
+                                 ("--use_acl_graph", graph)) if on]
+        if kv:
+            flags += ["--cache", cache]
+        FLAG_SETS.append(pytest.param(flags, marks=[pytest.mark.slow] if graph else [],
+                                      id=" ".join(flags) or "baseline"))
+
+
+@pytest.mark.parametrize("flags", FLAG_SETS)
+def test_ask_every_cpu_flag_combination(flags, tmp_path, capsys):
+    """In-process (the subprocess path is covered above): same tokens as the baseline, since every
+    mla path reproduces stock transformers' greedy tokens on this model (fp32 to rule out bf16 ties)."""
+    report_file = tmp_path / "r.json"
+    torch._dynamo.reset()  # one process runs many graph-mode asks here; a CLI run compiles once
+    common = ["ask", "--output_length", "5", "--min-output-length", "5", "--dtype", "fp32", "--no-stream"]
+    assert main([*common, *flags, "--report-file", str(report_file)]) == 0
+    report = json.loads(report_file.read_text())
+    assert report["generated_tokens"] == 5
+    assert main([*common, "--report-file", str(tmp_path / "base.json")]) == 0
+    baseline = json.loads((tmp_path / "base.json").read_text())
+    assert report["answer"] == baseline["answer"]
+    if "--use_acl_graph" in flags:
+        assert report["graph_compile_seconds"] > 0
+
+
+def test_sentence_file_and_prompt_precedence(tmp_path, capsys):
+    sentences = tmp_path / "q.txt"
+    sentences.write_text("first line\n\nsecond line\n", encoding="utf-8")
+    assert main(["ask", "--sentence_file", str(sentences), "--output_length", "2", "--no-stream",
+                 "--report-file", str(tmp_path / "a.json")]) == 0
+    assert json.loads((tmp_path / "a.json").read_text())["prompt"] == "first line\nsecond line"
+    assert main(["ask", "--sentence_file", str(sentences), "--prompt", "wins", "--output_length", "2",
+                 "--no-stream", "--report-file", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["prompt"] == "wins"
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    """A small DeepSeek-V2 saved the way a user would have it: save_pretrained (safetensors) + tokenizer."""
+    from mla_ops.cli.loading import builtin_model
+
+    directory = tmp_path_factory.mktemp("checkpoint")
+    model, tokenizer = builtin_model(torch.bfloat16, torch.device("cpu"), seed=3)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory, model, tokenizer
+
+
+def test_ask_loads_a_local_safetensors_checkpoint(saved_checkpoint, tmp_path):
+    directory, model, tokenizer = saved_checkpoint
+    assert list(directory.glob("*.safetensors"))
+    report_file = tmp_path / "ckpt.json"
+    code, out, err = run_cli("ask", "--model-path", str(directory), "--prompt", "hello", "--output_length", "4",
+                             "--min-output-length", "4", "--use_kv_fusion", "--report-file", str(report_file))
+    assert code == 0, err
+    report = json.loads(report_file.read_text())
+    assert report["model"] == str(directory) and report["dtype"] == "bfloat16"
+    # the same tokens as generating with the in-memory model
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                         tokenize=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert report["answer"] == tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+    # $MODEL_PATH is the fallback for --model-path
+    code, out, err = run_cli("ask", "--prompt", "hello", "--output_length", "2", "--quiet",
+                             env=dict(ENV, MODEL_PATH=str(directory)))
+    assert code == 0 and str(directory) in out, err
+
+
+def test_pickle_weights_are_refused_unless_allowed(saved_checkpoint, tmp_path):
+    _, model, tokenizer = saved_checkpoint
+    directory = tmp_path / "pickled"
+    model.config.save_pretrained(directory)  # transformers 5 always writes safetensors: pickle by hand
+    tokenizer.save_pretrained(directory)
+    torch.save(model.state_dict(), directory / "pytorch_model.bin")
+    assert not list(directory.glob("*.safetensors")) and list(directory.glob("*.bin"))
+    code, out, err = run_cli("ask", "--model-path", str(directory), "--output_length", "2")
+    assert code == 2 and "pickle" in err and "--allow-pickle" in err, (out, err)
+    code, out, err = run_cli("ask", "--model-path", str(directory), "--output_length", "2", "--allow-pickle",
+                             "--quiet")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["ask", "--model-path", "/nonexistent/ckpt"], "--model-path /nonexistent/ckpt: no such directory"),
+    (["ask", "--sentence_file", "/nonexistent/q.txt"], "--sentence_file /nonexistent/q.txt: no such file"),
+    (["ask", "--output_length", "0"], "--output_length must be positive"),
+    (["ask", "--cache", "paged"], "--cache paged needs --use_kv_fusion"),
+    (["ask", "--device", "3"], "no NPU (torch_npu) or CUDA device is available"),
+    (["ask", "--device", "tpu9x"], "is not a device"),
+    (["bench", "e2e", "--fused", "magic"], "--fused 'magic': choose from kv_fusion, rope, pto"),
+])
+def test_bad_arguments_exit_nonzero_with_a_clear_message(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_config_and_unknown_flags(tmp_path, capsys):
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    assert main(["ask", "--model-path", str(tmp_path)]) == 2
+    assert "config.json is missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["ask", "--use-magic"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0 and "ask" in capsys.readouterr().out
+
+
+def test_ask_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["ask", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--prompt", "--sentence_file", "--device", "--model-path", "--output_length", "--use_pto",
+                 "--use_rope", "--use_kv_fusion", "--use_acl_graph", "--report-file", "--dtype", "--cache",
+                 "--trust-remote-code", "--allow-pickle"):
+        assert flag in text
+
+
+def test_bench_e2e_quick_writes_table_and_json(tmp_path, capsys):
+    out_json = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", "--prompt-lengths", "8,16", "--output-lengths", "2,3", "--repeats", "1",
+                 "--warmup", "0", "--json", str(out_json), "--plot", str(tmp_path / "e2e.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "verdict" in printed and "baseline tok/s" in printed
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in rows] == [(8, 2), (8, 3), (16, 2), (16, 3)]
+    assert all(r["verdict"] in ("~Same", "Fused faster", "Baseline faster") for r in rows)
+    assert "plot written" in printed or "plot skipped: matplotlib is not installed" in printed
+
+
+def test_e2e_classification():
+    from mla_ops.bench.e2e import classify
+
+    assert classify(1.04) == "~Same" and classify(0.96) == "~Same"
+    assert classify(1.2) == "Fused faster" and classify(0.8) == "Baseline faster"
+
+
+@pytest.mark.slow
+def test_bench_ops_and_decode_quick(tmp_path, capsys):
+    assert main(["bench", "ops", "--quick", "--json", str(tmp_path / "ops.json")]) == 0
+    ops = json.loads((tmp_path / "ops.json").read_text())
+    assert {r["S"] for r in ops["kv_prolog"]} == {1, 16}
+    assert {r["variant"] for r in ops["paged_kv_cache"]} == {"copy_", "gather_pa_kv_cache", "scatter_pa_kv_cache"}
+    assert main(["bench", "decode", "--quick", "--json", str(tmp_path / "decode.json")]) == 0
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    paged = [r for r in decode["model_decode"] if r["variant"] == "paged"]
+    assert paged and all(r["cache_bytes_per_token_per_layer"] < 2 * 1152 for r in paged)
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "reference" in text and "pypto_sim" in text and "npu" in text
