@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.mla-ops-installed
 # Never let torch_npu auto-load on a machine without CANN (it breaks `import torch`).
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv test test-fast demo clean
 
 $(STAMP): requirements.txt setup.py pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not pypto"
 
+# The original inference script on the built-in model (fused KV prolog, graph mode), then a short
+# baseline-vs-fused benchmark. Outputs go to out/ (ignored by git).
 demo: $(STAMP)
-	$(PY) examples/ops_tour.py
+	@mkdir -p out
+	$(PY) -m mla_ops ask --use_kv_fusion --use_acl_graph --output_length 40 --report-file out/ask_report.json
+	$(PY) -m mla_ops bench e2e --quick --json out/bench_e2e.json --plot out/bench_e2e.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
+import torch
 import torch.utils.benchmark as tbench
 
 
@@ -17,10 +18,13 @@ def interleaved_medians(variants: dict[str, Callable[[], object]], *, rounds: in
     """-> {name: {"median_s": ..., "times": [...]}}; each round times every variant once."""
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
+    # Timer runs single-threaded unless told otherwise; measure with the threads torch would use.
+    threads = torch.get_num_threads()
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            m = tbench.Timer(stmt="fn()", globals={"fn": variants[name]}).blocked_autorange(min_run_time=min_run_time)
+            timer = tbench.Timer(stmt="fn()", globals={"fn": variants[name]}, num_threads=threads)
+            m = timer.blocked_autorange(min_run_time=min_run_time)
             times[name].append(m.median)
     return {n: {"median_s": statistics.median(ts), "times": ts} for n, ts in times.items()}
 

@@ -191,7 +191,7 @@ def _bench(args) -> None:
         from ..ops.pypto import bench as sim_bench
 
         rows = sim_bench.measure(quick=args.quick)
-        print(format_table(rows, [(k, k) for k in ("kernel", "config", "tokens", "dtype", "aicore_us")]))
+        print(format_table(rows, [(k, k) for k in ("kernel", "config", "case", "tokens", "dtype", "aicore_us")]))
         record_path = sim_bench.default_record_path()
         regressions = sim_bench.compare_to_record(rows, sim_bench.load_record(record_path))
         for line in regressions:

@@ -9,33 +9,31 @@ Arguments are validated exactly as on the reference path (same messages) before 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from typing import Optional
-
-from .._optional import has_module
 from ..meta_kernels.kv_prolog import check_kv_prolog_args
 from ..meta_kernels.paged_kv_cache import check_gather_args, check_scatter_args
 from . import hybrid
 from .value_checks import check_gather_values, check_scatter_values
 
-SUPPORTED_PYPTO_VERSION = "0.2.0"
 
 
 def unavailable_reason() -> Optional[str]:
-    """Why the simulator cannot run here (None when it can); imports nothing heavy."""
-    if not has_module("pypto"):
-        return f"pypto is not installed (pip install pypto=={SUPPORTED_PYPTO_VERSION})"
-    version = importlib.metadata.version("pypto")
-    if version != SUPPORTED_PYPTO_VERSION:
-        return (f"pypto {version} is installed; the CPU simulation fix is only valid for pypto "
-                f"{SUPPORTED_PYPTO_VERSION}")
-    return None
-
-
-def _pypto():
+    """Why the simulator cannot run here (None when it can); does not import pypto."""
     from . import pypto
 
-    return pypto
+    return "; ".join(pypto.unavailable_reasons()) or None
+
+
+def _kernels():
+    """The host functions (imported from their modules: the package attributes of the same names
+    become the submodules once those are imported)."""
+    from .pypto.gather_pa_kv_cache import gather_pa_kv_cache, gather_pa_kv_cache_not_supported_reasons
+    from .pypto.kv_prolog_stage2 import kv_prolog_stage2, kv_prolog_stage2_not_supported_reasons
+    from .pypto.scatter_pa_kv_cache import scatter_pa_kv_cache, scatter_pa_kv_cache_not_supported_reasons
+
+    return {f.__name__: f for f in (gather_pa_kv_cache, gather_pa_kv_cache_not_supported_reasons, kv_prolog_stage2,
+                                    kv_prolog_stage2_not_supported_reasons, scatter_pa_kv_cache,
+                                    scatter_pa_kv_cache_not_supported_reasons)}
 
 
 def _reference_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps):
@@ -49,7 +47,7 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
               qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
     check_kv_prolog_args(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, num_heads,
                          qk_nope_head_dim, v_head_dim, eps, rope_layout)
-    stage2 = functools.partial(_pypto().kv_prolog_stage2, mode="sim")
+    stage2 = functools.partial(_kernels()["kv_prolog_stage2"], mode="sim")
     return hybrid.kv_prolog(_reference_stage1, stage2, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight,
                             kv_b_weight, cos, sin, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
                             v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout)
@@ -61,7 +59,7 @@ def gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, valu
     check_gather_args(op, key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset,
                       is_seq_lens_cumsum)
     check_gather_values(op, key_cache, block_tables, seq_lens, key.shape[0], seq_offset, is_seq_lens_cumsum)
-    _pypto().gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
+    _kernels()["gather_pa_kv_cache"](key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
                                 is_seq_lens_cumsum=is_seq_lens_cumsum, mode="sim")
 
 
@@ -76,7 +74,7 @@ def gather_pa_kv_cache_functional(key_cache, value_cache, block_tables, seq_lens
 def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     check_scatter_args(key, value, key_cache, value_cache, slot_mapping)
     check_scatter_values("scatter_pa_kv_cache", slot_mapping, key_cache.shape[0] * key_cache.shape[1])
-    _pypto().scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, mode="sim")
+    _kernels()["scatter_pa_kv_cache"](key, value, key_cache, value_cache, slot_mapping, mode="sim")
 
 
 # ------------------------------------------------------------------------- what the kernels support
@@ -93,7 +91,7 @@ def _kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv
         return torch.empty((), dtype=dtype, device=hidden_states.device).expand(tokens, cols)
 
     table = stand_in(rope_dim // 2, torch.float32)
-    return _pypto().kv_prolog_stage2_not_supported_reasons(
+    return _kernels()["kv_prolog_stage2_not_supported_reasons"](
         stand_in(lora, hidden_states.dtype), stand_in(rope_dim, hidden_states.dtype), kv_b_weight, table, table,
         num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, rope_layout=rope_layout,
         mode="sim")
@@ -101,13 +99,13 @@ def _kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv
 
 def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
                     is_seq_lens_cumsum=False):
-    return _pypto().gather_pa_kv_cache_not_supported_reasons(
+    return _kernels()["gather_pa_kv_cache_not_supported_reasons"](
         key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
         is_seq_lens_cumsum=is_seq_lens_cumsum, mode="sim")
 
 
 def _scatter_reasons(key, value, key_cache, value_cache, slot_mapping):
-    return _pypto().scatter_pa_kv_cache_not_supported_reasons(key, value, key_cache, value_cache, slot_mapping,
+    return _kernels()["scatter_pa_kv_cache_not_supported_reasons"](key, value, key_cache, value_cache, slot_mapping,
                                                               mode="sim")
 
 

@@ -102,25 +102,32 @@ def check_scatter_values(op: str, slot_mapping: Tensor, num_slots: int) -> Tenso
 
 
 def check_decode_values(op: str, block_tables: Tensor, seq_lens: Tensor, num_blocks: int, block_size: int) -> int:
-    """1 <= seq_lens <= table capacity, every used block id in range. Returns max(seq_lens)."""
-    lens = seq_lens.cpu().long()
-    tables = block_tables.cpu().long()
-    capacity = tables.shape[1] * block_size
-    if lens.numel() == 0:
+    """1 <= seq_lens <= table capacity, every used block id in range. Returns max(seq_lens).
+
+    Runs on every CPU decode step, so it stays at a handful of small ops (lengths as a Python list,
+    one min/max over the used window) and only locates the offending entry once something is wrong."""
+    lens = seq_lens.tolist()
+    if not lens:
         return 0
-    if bool((lens < 1).any()):
-        b = _first_bad(lens < 1)
-        raise ValueError(f"mla.{op}: seq_lens[{b}] = {int(lens[b])}; each decoding sequence holds at least "
-                         f"its current token (seq_lens >= 1)")
-    if bool((lens > capacity).any()):
-        b = _first_bad(lens > capacity)
-        raise ValueError(f"mla.{op}: seq_lens[{b}] = {int(lens[b])} exceeds the block table's capacity "
-                         f"({tables.shape[1]} blocks x {block_size} tokens)")
-    used_blocks = torch.div(lens + block_size - 1, block_size, rounding_mode="floor")
-    used = torch.arange(tables.shape[1])[None, :] < used_blocks[:, None]
-    bad = used & ((tables < 0) | (tables >= num_blocks))
+    capacity = block_tables.shape[1] * block_size
+    for b, n in enumerate(lens):
+        if n < 1:
+            raise ValueError(f"mla.{op}: seq_lens[{b}] = {n}; each decoding sequence holds at least its current "
+                             f"token (seq_lens >= 1)")
+        if n > capacity:
+            raise ValueError(f"mla.{op}: seq_lens[{b}] = {n} exceeds the block table's capacity "
+                             f"({block_tables.shape[1]} blocks x {block_size} tokens)")
+    used = [-(-n // block_size) for n in lens]
+    window = block_tables[:, :max(used)]
+    if min(used) == max(used):  # every row uses the whole window: one min/max decides
+        lowest, highest = (int(v) for v in torch.aminmax(window))
+        if lowest >= 0 and highest < num_blocks:
+            return max(lens)
+    tables = window.cpu().long()
+    in_use = torch.arange(tables.shape[1])[None, :] < torch.tensor(used)[:, None]
+    bad = in_use & ((tables < 0) | (tables >= num_blocks))
     if bool(bad.any()):
         b, j = (int(v) for v in torch.nonzero(bad)[0])
         raise ValueError(f"mla.{op}: block_tables[{b}, {j}] = {int(tables[b, j])} is used by sequence {b} "
                          f"but is not a block id in [0, {num_blocks})")
-    return int(lens.max())
+    return max(lens)

@@ -43,7 +43,7 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
     tokens = hidden_states.shape[0] * hidden_states.shape[1]
     fused = hidden_states.dtype in _HALF and use_fused_kv_prolog(tokens, settings.npu_fused_max_tokens)
     if fused:
-        from ..pypto import kv_prolog_stage2
+        from ..pypto.kv_prolog_stage2 import kv_prolog_stage2
 
         stage2 = functools.partial(kv_prolog_stage2, mode="npu")
     else:
@@ -57,7 +57,7 @@ def gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, valu
                        is_seq_lens_cumsum=False):
     """The PyPTO gather (no host sync: values are validated only through the Python helpers'
     validate=True; see mla_ops.ops.pypto.gather_pa_kv_cache for out-of-range ids)."""
-    from ..pypto import gather_pa_kv_cache as pypto_gather
+    from ..pypto.gather_pa_kv_cache import gather_pa_kv_cache as pypto_gather
 
     check_gather_args("gather_pa_kv_cache", key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset,
                       is_seq_lens_cumsum)
@@ -75,7 +75,7 @@ def gather_pa_kv_cache_functional(key_cache, value_cache, block_tables, seq_lens
 
 def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
                     is_seq_lens_cumsum=False):
-    from ..pypto import gather_pa_kv_cache_not_supported_reasons
+    from ..pypto.gather_pa_kv_cache import gather_pa_kv_cache_not_supported_reasons
 
     return gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_tables, seq_lens, key, value,
                                                     seq_offset=seq_offset, is_seq_lens_cumsum=is_seq_lens_cumsum,

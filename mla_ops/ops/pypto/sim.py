@@ -30,20 +30,25 @@ Environment variables:
 * ``MLA_OPS_PYPTO_KEEP_OUTPUT=1`` -- keep each run's pypto working directory (``output/`` with the
   verify dumps and ``CostModelSimulationOutput/``) instead of deleting it; its path is
   ``SimResult.work_dir``.
-* ``ASCEND_PROCESS_LOG_PATH`` -- where pypto writes its plog (the verdict lines are read from it).
-  pypto reads it once, at import; if it is unset when :func:`ensure_supported` runs before pypto's
-  first import, a private temporary directory is used.
+* ``MLA_OPS_PYPTO_VERBOSE=1`` -- let pypto's console output (compile messages, the swim-lane
+  report) through instead of capturing it in ``<work_dir>/console.log``.
+* ``ASCEND_PROCESS_LOG_PATH`` -- where pypto writes its plog (the verdict lines are read from it;
+  keep ``ASCEND_GLOBAL_LOG_LEVEL`` at INFO or below, PASS verdicts are INFO lines). pypto reads it
+  once, at import; if it is unset when :func:`ensure_supported` runs before pypto's first import on a
+  machine without CANN, a private temporary directory is used (removed at exit).
 * ``ASCEND_HOME_PATH`` must be unset on a machine without CANN (with it, ``import pypto`` wants the
   CANN runtime libraries).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import dataclasses
 import glob
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -87,6 +92,8 @@ _SETUP_LOCK = threading.Lock()
 _CALC_LOCK = threading.Lock()
 _PATCHED_MARK = "_mla_ops_cpu_verify_fix"
 _calculator_path: Optional[Path] = None
+_plog_base_at_import: Optional[str] = None
+_poisoned_by: Optional[str] = None     # set when a failed compile left pypto's recorder inside a function
 _last_result: Optional["SimResult"] = None
 
 
@@ -103,23 +110,35 @@ def installed_pypto_version() -> Optional[str]:
 
 def unsupported_reasons() -> List[str]:
     """Why the PyPTO simulation cannot run here (empty list = it can). Does not import pypto."""
-    reasons = []
     ver = installed_pypto_version()
     if ver is None:
-        reasons.append(f"pypto {SUPPORTED_PYPTO_VERSION} not installed (pip install pypto=={SUPPORTED_PYPTO_VERSION})")
-    elif ver != SUPPORTED_PYPTO_VERSION:
-        reasons.append(f"pypto {ver} is installed, but the CPU simulation harness supports exactly "
-                       f"pypto {SUPPORTED_PYPTO_VERSION} (it replaces a private method of that release)")
-    return reasons
+        return [f"pypto {SUPPORTED_PYPTO_VERSION} not installed "
+                f"(pip install pypto=={SUPPORTED_PYPTO_VERSION})"]
+    if ver != SUPPORTED_PYPTO_VERSION:
+        return [f"pypto {ver} is installed, but mla_ops' PyPTO kernels and CPU simulation support exactly "
+                f"pypto {SUPPORTED_PYPTO_VERSION} (the harness replaces a private method of that release); "
+                f"install pypto=={SUPPORTED_PYPTO_VERSION}"]
+    if importlib.util.find_spec("pypto") is None:
+        return [f"the pypto {ver} distribution is installed but `pypto` is not importable"]
+    return []
 
 
 def _prepare_environment() -> None:
-    """Settings pypto reads once, when it is first imported."""
-    if "pypto" not in sys.modules and not os.environ.get("ASCEND_PROCESS_LOG_PATH"):
-        os.environ["ASCEND_PROCESS_LOG_PATH"] = tempfile.mkdtemp(prefix="mla_ops_pypto_plog_")
-    # If torch_npu is installed without CANN, `import torch` (and so `import pypto`) fails unless
-    # device-backend autoloading is off; it is harmless otherwise. Only set when absent.
-    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    """Settings pypto reads once, when it is first imported: the plog location.
+
+    Without CANN (no ASCEND_HOME_PATH) and with no ASCEND_PROCESS_LOG_PATH, the plog goes to a private
+    temporary directory (removed at exit) instead of ~/ascend/log. On a CANN machine the operator's
+    log settings are left alone. Either way, the location in effect when pypto was imported is
+    remembered, because changing the variable later does not move pypto's log.
+    """
+    global _plog_base_at_import
+    if "pypto" in sys.modules:
+        return
+    if not os.environ.get("ASCEND_PROCESS_LOG_PATH") and not os.environ.get("ASCEND_HOME_PATH"):
+        tmp = tempfile.mkdtemp(prefix="mla_ops_pypto_plog_")
+        os.environ["ASCEND_PROCESS_LOG_PATH"] = tmp
+        atexit.register(shutil.rmtree, tmp, True)
+    _plog_base_at_import = os.environ.get("ASCEND_PROCESS_LOG_PATH") or None
 
 
 def ensure_supported() -> None:
@@ -139,7 +158,8 @@ def ensure_supported() -> None:
         except (ImportError, OSError) as exc:
             hint = (" ASCEND_HOME_PATH is set: unset it on a machine without CANN."
                     if os.environ.get("ASCEND_HOME_PATH") else "")
-            raise RuntimeError(f"mla_ops PyPTO simulation unavailable: `import pypto` failed: {exc}.{hint}") from exc
+            raise RuntimeError(f"mla_ops PyPTO simulation unavailable: `import pypto` failed: "
+                               f"{exc}.{hint}") from exc
         wrapper = entry.JitCallableWrapper
         if not getattr(wrapper, _PATCHED_MARK, False):
             original = wrapper.__dict__["_setup_verify_data"]
@@ -222,8 +242,8 @@ def _build_calculator(mgr, cache: Path) -> None:
             install = cmake_ctx.compile(ctx=ctx)
         except Exception as exc:  # subprocess.CalledProcessError carries the cmake output
             out = getattr(exc, "stderr", "") or getattr(exc, "stdout", "") or ""
-            raise RuntimeError(f"building pypto's verify calculator failed (needs cmake>=3.16, make, g++>=9): "
-                               f"{exc}\n{out[-2000:]}") from exc
+            raise RuntimeError(f"building pypto's verify calculator failed (needs cmake>=3.16, make, "
+                               f"g++>=9): {exc}\n{out[-2000:]}") from exc
         staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
         shutil.copytree(install, staging, dirs_exist_ok=True)
         try:
@@ -241,13 +261,15 @@ _VERDICT_RE = re.compile(
     r"\[VERIFY\]:(?:ErrCode: \w+! )?(?P<what>\S+) Verify for \d+ data view list index (?P<idx>\d+) "
     r"result (?P<res>PASS|FAILED|NO_COMPARE)")
 _PASS_ERROR_RE = re.compile(
-    r"VerifyPass failed for function (?P<func>\S+), pass (?P<pass>\w+) \(passIndex: \d+, captureIndex: \d+\): "
+    r"VerifyPass failed for function (?P<func>\S+), pass (?P<pass>\w+) "
+    r"\(passIndex: \d+, captureIndex: \d+\): "
     r"(?:Errcode: )?(?P<code>[^!\n]*)")
 
 
 def plog_root() -> Path:
-    """The directory pypto's plog files are written under (reads the location actually in effect)."""
-    base = os.environ.get("ASCEND_PROCESS_LOG_PATH")
+    """The directory pypto's plog files are written under: ASCEND_PROCESS_LOG_PATH as it was when
+    :func:`ensure_supported` imported pypto, else as it is now, else pypto's default ~/ascend/log."""
+    base = _plog_base_at_import or os.environ.get("ASCEND_PROCESS_LOG_PATH")
     return Path(base) if base else Path(os.path.expanduser("~"), "ascend", "log")
 
 
@@ -357,7 +379,8 @@ class SimResult:
     def summary(self) -> str:
         codes = sorted({f"{e[0].rsplit(':', 1)[-1]}={e[1]}" for e in self.errors})
         return (f"{self.kernel}: {self.aicore_us:.2f} us AICore ({self.total_cycles} cycles), "
-                f"{self.passed} PASS / {len(self.failed)} FAILED, unchecked passes {codes}, wall {self.wall_s:.2f} s")
+                f"{self.passed} PASS / {len(self.failed)} FAILED, unchecked passes {codes}, "
+                f"wall {self.wall_s:.2f} s")
 
 
 class SimVerificationError(AssertionError):
@@ -367,8 +390,8 @@ class SimVerificationError(AssertionError):
     def __init__(self, result: SimResult):
         self.result = result
         shown = ", ".join(f"{w}[{i}]" for w, i, _ in result.failed[:8])
-        super().__init__(f"PyPTO simulation of {result.kernel} reported {len(result.failed)} FAILED verdict(s): "
-                         f"{shown}. Rerun with MLA_OPS_PYPTO_KEEP_OUTPUT=1 and read "
+        super().__init__(f"PyPTO simulation of {result.kernel} reported {len(result.failed)} FAILED "
+                         f"verdict(s): {shown}. Rerun with MLA_OPS_PYPTO_KEEP_OUTPUT=1 and read "
                          f"output/*/verify_*/ and the plog under {plog_root()} for the mismatching elements.")
 
 
@@ -427,18 +450,27 @@ def run_kernel(name: str, kernel: Callable, args: Sequence[torch.Tensor], *,
     The call runs in a fresh temporary working directory (pypto writes ``./output``; ``chdir`` is
     process-global, so calls are serialised by a lock and the previous cwd is always restored).
     pypto's console output goes to ``<work_dir>/console.log`` (its tail is attached to errors) unless
-    ``MLA_OPS_PYPTO_VERBOSE=1``.
+    ``MLA_OPS_PYPTO_VERBOSE=1``. A compile error that pypto 0.2.0 cannot recover from (it leaves its
+    function recorder open) makes every later call in the process fail fast with a clear error.
     """
-    global _last_result
+    global _last_result, _poisoned_by
     ensure_supported()
     load_calculator()
     import pypto
+    from pypto._controller import Controller
+
+    if _poisoned_by is not None:
+        raise RuntimeError(f"{name}: an earlier PyPTO compile in this process failed inside function "
+                           f"recording ({_poisoned_by}); pypto 0.2.0 cannot recover from that (its recorder "
+                           f"stays inside the failed function and later compiles fail or crash). "
+                           f"Restart the process.")
 
     for i, t in enumerate(args):
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             raise ValueError(f"{name}: argument {i} must be a CPU torch.Tensor for the simulation")
     if goldens is not None and len(goldens) != len(args):
-        raise ValueError(f"{name}: goldens needs one entry per kernel argument ({len(args)}), got {len(goldens)}")
+        raise ValueError(f"{name}: goldens needs one entry per kernel argument ({len(args)}), "
+                         f"got {len(goldens)}")
     with _RUN_LOCK:
         work_dir = tempfile.mkdtemp(prefix=f"mla_ops_pypto_{name}_")
         old_cwd = os.getcwd()
@@ -454,14 +486,18 @@ def run_kernel(name: str, kernel: Callable, args: Sequence[torch.Tensor], *,
                 with _fds_redirected_to(console) if quiet else contextlib.nullcontext():
                     kernel(*args)
             except Exception as exc:
+                if Controller.in_function:
+                    # The failure escaped from pypto.function's EndFunction (where compilation runs), so
+                    # pypto never left the function; resetting the flag alone crashes the next compile.
+                    _poisoned_by = f"{name}: {str(exc).splitlines()[0][:200]}"
                 raise RuntimeError(f"PyPTO simulation of {name} failed: {exc}\n--- pypto console (tail) ---\n"
                                    f"{_tail(console)}") from exc
             wall = time.perf_counter() - t0
             sim_dirs = sorted(Path(work_dir).glob("output/*/CostModelSimulationOutput"),
                               key=lambda p: p.stat().st_mtime)
             if not sim_dirs:
-                raise RuntimeError(f"{name}: pypto wrote no CostModelSimulationOutput under {work_dir}/output "
-                                   f"(is the kernel built with run_mode=RunMode.SIM?)")
+                raise RuntimeError(f"{name}: pypto wrote no CostModelSimulationOutput under "
+                                   f"{work_dir}/output (is the kernel built with run_mode=RunMode.SIM?)")
             aicore_us = sim_aicore_e2e_us(sim_dirs[-1])
             cycles = sim_total_cycles(sim_dirs[-1])
         finally:
@@ -469,7 +505,15 @@ def run_kernel(name: str, kernel: Callable, args: Sequence[torch.Tensor], *,
             keep = _keep_output()
             if not keep:
                 shutil.rmtree(work_dir, ignore_errors=True)
-        verdicts, errors = parse_verify_lines(tail.read())
+        lines = tail.read()
+        if not lines:
+            # pypto logs at INFO level throughout a verified run; no new line at all means its plog is
+            # not where we look, and nothing could be claimed as verified. (A kernel that writes
+            # nothing -- e.g. a scatter of padding only -- legitimately has no verdict lines.)
+            raise RuntimeError(f"{name}: nothing was logged to this process's pypto plog under {plog_root()} "
+                               f"(set ASCEND_PROCESS_LOG_PATH before pypto is imported, and keep "
+                               f"ASCEND_GLOBAL_LOG_LEVEL at INFO (1) or below)")
+        verdicts, errors = parse_verify_lines(lines)
         result = SimResult(kernel=name, outputs=dict(outputs), verdicts=verdicts,
                            failed=[v for v in verdicts if v[2] == "FAILED"], errors=errors,
                            aicore_us=aicore_us, total_cycles=cycles, wall_s=wall,
@@ -483,3 +527,57 @@ def run_kernel(name: str, kernel: Callable, args: Sequence[torch.Tensor], *,
 def sim_jit_options(*, error_tol: Tuple[float, float] = (1e-3, 1e-3)) -> Dict[str, Any]:
     """``verify_options`` for a SIM kernel: full pass verification with the given [rtol, atol]."""
     return {"enable_pass_verify": True, "pass_verify_error_tol": [float(error_tol[0]), float(error_tol[1])]}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers shared by the kernel modules (building and launching a kernel in "sim" or "npu" mode)
+# ----------------------------------------------------------------------------------------------
+MODES = ("sim", "npu")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def pypto_dtype(dtype: torch.dtype):
+    """torch dtype -> pypto DataType (imports pypto)."""
+    import pypto
+    table = {torch.float16: pypto.DT_FP16, torch.bfloat16: pypto.DT_BF16, torch.float32: pypto.DT_FP32,
+             torch.int32: pypto.DT_INT32}
+    if dtype not in table:
+        raise ValueError(f"no PyPTO dtype for {dtype}")
+    return table[dtype]
+
+
+def jit_kwargs(mode: str, *, error_tol: Tuple[float, float] = (1e-3, 1e-3),
+               runtime_options: Optional[Mapping[str, Any]] = None,
+               pass_options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Keyword arguments for ``pypto.frontend.jit`` in ``mode``.
+
+    "sim": ``RunMode.SIM`` with full pass verification (the only way to get outputs on a CPU);
+    "npu": ``RunMode.NPU``, no verify options (verification would copy device data to the host).
+    """
+    check_mode(mode)
+    import pypto
+    rt = {"run_mode": pypto.RunMode.SIM if mode == "sim" else pypto.RunMode.NPU}
+    rt.update(runtime_options or {})
+    kwargs: Dict[str, Any] = {"runtime_options": rt, "pass_options": dict(pass_options or {})}
+    if mode == "sim":
+        kwargs["verify_options"] = sim_jit_options(error_tol=error_tol)
+    return kwargs
+
+
+def launch(name: str, kernel: Callable, args: Sequence[torch.Tensor], *, mode: str,
+           outputs: Mapping[str, torch.Tensor],
+           goldens: Optional[Sequence[Optional[torch.Tensor]]] = None) -> Optional[SimResult]:
+    """Run ``kernel`` on ``args``: through :func:`run_kernel` in "sim" mode (returns the SimResult),
+    or as a plain asynchronous launch on the current NPU stream in "npu" mode (returns None; no host
+    synchronisation, no verification)."""
+    check_mode(mode)
+    if mode == "sim":
+        return run_kernel(name, kernel, args, outputs=outputs, goldens=goldens)
+    if goldens is not None:
+        raise ValueError(f"{name}: goldens are only compared in mode='sim'")
+    kernel(*args)
+    return None

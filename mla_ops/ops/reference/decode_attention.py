@@ -52,6 +52,24 @@ def _gather_context(name: str, cache: Tensor, block_ids: Tensor) -> Tensor:
     return out.view(batch, blocks * block_size, dim)
 
 
+def _strided_context(cache: Tensor, block_ids: Tensor):
+    """When every row's blocks are consecutive ids and each row starts where the previous one's
+    window ends (one sequence fed by a fresh allocator, or back-to-back rows), the context is a
+    dense view of the pool: no gather copy. None otherwise — including evenly spaced rows with gaps,
+    which bmm would copy anyway (measured 2.5x slower than the gather). CPU only (reads ids)."""
+    if not cache.is_contiguous():
+        return None
+    batch, blocks = block_ids.shape
+    first = int(block_ids[0, 0])
+    # consecutive and back to back == the window reads ids first, first+1, ... in row-major order
+    if not torch.equal(block_ids.reshape(-1), torch.arange(first, first + batch * blocks)):
+        return None
+    block_size, dim = cache.shape[1], cache.shape[3]
+    row = block_size * dim
+    return cache.as_strided((batch, blocks * block_size, dim), (blocks * row, dim, 1),
+                            cache.storage_offset() + first * row)
+
+
 def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                          block_tables: Tensor, seq_lens: Tensor, softmax_scale: float) -> Tensor:
     """-> o_latent [B, N, L] in q_latent's dtype."""
@@ -65,17 +83,24 @@ def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
         blocks = math.ceil(longest / block_size)
     else:
         blocks = block_tables.shape[1]  # static: no host sync, graph-capturable
+        longest = -1
     if batch == 0 or blocks == 0:
         return q_latent.new_zeros(q_latent.shape)
     # Unused table entries (padding ids such as -1) are clamped; their positions are masked below.
     block_ids = block_tables[:, :blocks].long().clamp(0, num_blocks - 1)
-    latent = _gather_context("latent", key_cache, block_ids)  # [B, T, L]
-    k_pe = _gather_context("k_pe", value_cache, block_ids)  # [B, T, R]
+    latent = k_pe = None
+    if key_cache.device.type == "cpu":
+        latent, k_pe = _strided_context(key_cache, block_ids), _strided_context(value_cache, block_ids)
+    if latent is None or k_pe is None:
+        latent = _gather_context("latent", key_cache, block_ids)  # [B, T, L]
+        k_pe = _gather_context("k_pe", value_cache, block_ids)  # [B, T, R]
     scores = torch.bmm(q_latent, latent.transpose(1, 2)).float()  # [B, N, T]
     scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).float()
     scores *= softmax_scale
-    positions = torch.arange(latent.shape[1], device=latent.device)
-    masked = positions[None, :] >= seq_lens.long()[:, None]  # [B, T]
-    scores.masked_fill_(masked[:, None, :], float("-inf"))
+    if key_cache.device.type != "cpu" or longest != latent.shape[1] or batch > 1:
+        # positions past a row's length (its tail block, shorter rows) must not be attended
+        positions = torch.arange(latent.shape[1], device=latent.device)
+        masked = positions[None, :] >= seq_lens.long()[:, None]  # [B, T]
+        scores.masked_fill_(masked[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs.to(latent.dtype), latent)
