@@ -125,3 +125,23 @@ def test_npu_registration_is_refused_without_torch_npu():
 
     assert register_npu() is False  # no torch_npu here: nothing is registered, nothing raises
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "PrivateUse1")
+
+
+@pytest.mark.pypto
+@needs_pypto
+def test_simulator_leaves_the_process_environment_intact():
+    """pypto 0.2.0's own torch probe swaps os.environ for a plain dict, after which torch inductor's
+    compiled modules fail (they read an environment variable through getenv). The harness builds the
+    calculator without it; a cold build in CI runs in this process before the compile tests."""
+    from mla_ops.ops.pypto import sim
+
+    sim.ensure_supported()
+    sim.load_calculator()
+    assert isinstance(os.environ, os._Environ)
+    os.environ["MLA_OPS_ENV_PROBE"] = "1"
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('MLA_OPS_ENV_PROBE'))"],
+                               capture_output=True, text=True, timeout=60)
+        assert probe.stdout.strip() == "1"
+    finally:
+        del os.environ["MLA_OPS_ENV_PROBE"]

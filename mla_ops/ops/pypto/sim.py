@@ -230,13 +230,19 @@ def load_calculator() -> Path:
 
 
 def _build_calculator(mgr, cache: Path) -> None:
-    torch_ctx = mgr._TorchContext()
+    # The torch facts pypto's _TorchContext() would collect, collected here: pypto 0.2.0's
+    # _TorchContext replaces os.environ with a plain dict copy (`os.environ = os_env`), after which
+    # os.environ writes no longer reach the C environment — and torch inductor's compiled modules,
+    # which read an environment variable through getenv(), fail for the rest of the process.
+    torch_version = str(torch.__version__)
+    torch_root = str(Path(torch.__file__).parent)
+    cxx11_abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmake_ctx = mgr._CMakeContext()        # raises a clear RuntimeError when cmake is missing
     with tempfile.TemporaryDirectory(prefix="mla_ops_pypto_calc_") as tmp:
         ctx = mgr._CMakeContext.CompileContext(src_dir=Path(mgr.pkg_lib_dir, "calculator"), tmp_dir=Path(tmp))
-        ctx.cfg_cmd_ext = (f"-DPY3_MOD_TORCH_VERSION={torch_ctx.torch_version}"
-                           f" -DPY3_MOD_TORCH_ROOT_PATH={torch_ctx.torch_root_dir}"
-                           f" -DPY3_MOD_TORCH_C_GLIBCXX_USE_CXX11_ABI={torch_ctx.torch_c_use_cxx11_abi}")
+        ctx.cfg_cmd_ext = (f"-DPY3_MOD_TORCH_VERSION={torch_version}"
+                           f" -DPY3_MOD_TORCH_ROOT_PATH={torch_root}"
+                           f" -DPY3_MOD_TORCH_C_GLIBCXX_USE_CXX11_ABI={cxx11_abi}")
         ctx.build_job_num = os.cpu_count() or 4
         try:
             install = cmake_ctx.compile(ctx=ctx)
