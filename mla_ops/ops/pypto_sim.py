@@ -13,6 +13,7 @@ from typing import Optional
 from ..meta_kernels.kv_prolog import check_kv_prolog_args
 from ..meta_kernels.paged_kv_cache import check_gather_args, check_scatter_args
 from . import hybrid
+from .reference.paged_kv_cache import functional_gather
 from .value_checks import check_gather_values, check_scatter_values
 
 
@@ -63,12 +64,7 @@ def gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, valu
                                 is_seq_lens_cumsum=is_seq_lens_cumsum, mode="sim")
 
 
-def gather_pa_kv_cache_functional(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
-                                  is_seq_lens_cumsum=False):
-    key_out, value_out = key.clone(), value.clone()
-    gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key_out, value_out, seq_offset=seq_offset,
-                       is_seq_lens_cumsum=is_seq_lens_cumsum)
-    return key_out, value_out
+gather_pa_kv_cache_functional = functional_gather(gather_pa_kv_cache)
 
 
 def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):

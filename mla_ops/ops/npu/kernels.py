@@ -11,6 +11,7 @@ from ...meta_kernels.kv_prolog import check_kv_prolog_args
 from ...meta_kernels.paged_kv_cache import check_gather_args
 from .. import hybrid
 from ..reference.kv_prolog import expand_latent
+from ..reference.paged_kv_cache import functional_gather
 from ..reference.rope import rope_unchecked
 from .policy import use_fused_kv_prolog
 
@@ -65,12 +66,7 @@ def gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, valu
                  is_seq_lens_cumsum=is_seq_lens_cumsum, mode="npu")
 
 
-def gather_pa_kv_cache_functional(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
-                                  is_seq_lens_cumsum=False):
-    key_out, value_out = key.clone(), value.clone()
-    gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key_out, value_out, seq_offset=seq_offset,
-                       is_seq_lens_cumsum=is_seq_lens_cumsum)
-    return key_out, value_out
+gather_pa_kv_cache_functional = functional_gather(gather_pa_kv_cache)
 
 
 def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,

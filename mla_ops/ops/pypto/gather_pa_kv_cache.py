@@ -117,6 +117,21 @@ def tile_fits_ub(tile: GatherTileConfig, key_hd: Tuple[int, int], value_hd: Tupl
 # ----------------------------------------------------------------------------------------------
 # validation (no host sync)
 # ----------------------------------------------------------------------------------------------
+def cache_reasons(tensors, access: str) -> List[str]:
+    """Shared by gather and scatter: both caches [num_blocks, block_size, heads, dim], a kernel
+    dtype, and contiguous (the kernels address them through a flat [slots, heads, dim] view)."""
+    reasons = []
+    for name in ("key_cache", "value_cache"):
+        t = tensors[name]
+        if t.dim() != 4:
+            reasons.append(f"{name} must be [num_blocks, block_size, heads, dim], got shape {list(t.shape)}")
+        if t.dtype not in _CACHE_DTYPES:
+            reasons.append(f"{name} dtype must be bfloat16, float16 or float32, got {t.dtype}")
+        if not t.is_contiguous():
+            reasons.append(f"{name} must be contiguous (ND layout; it is {access} through a flat view)")
+    return reasons
+
+
 def gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *,
                                              seq_offset=None, is_seq_lens_cumsum: bool = False,
                                              mode: str = "sim") -> List[str]:
@@ -136,14 +151,7 @@ def gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_table
     not_tensors = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
     if not_tensors:
         return availability + reasons + [f"{', '.join(not_tensors)} must be torch.Tensor"]
-    for name in ("key_cache", "value_cache"):
-        t = tensors[name]
-        if t.dim() != 4:
-            reasons.append(f"{name} must be [num_blocks, block_size, heads, dim], got shape {list(t.shape)}")
-        if t.dtype not in _CACHE_DTYPES:
-            reasons.append(f"{name} dtype must be bfloat16, float16 or float32, got {t.dtype}")
-        if not t.is_contiguous():
-            reasons.append(f"{name} must be contiguous (ND layout; it is read through a flat view)")
+    reasons += cache_reasons(tensors, "read")
     for name, cache in (("key", "key_cache"), ("value", "value_cache")):
         t = tensors[name]
         if t.dtype != tensors[cache].dtype:
@@ -188,13 +196,7 @@ def gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_table
                        f"got {seq_lens.shape[0]}")
     if seq_offset is not None and seq_offset.shape[0] != q:
         reasons.append(f"seq_offset must have Q={q} entries, got {seq_offset.shape[0]}")
-    devices = {t.device for t in tensors.values()}
-    if len(devices) > 1:
-        reasons.append(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
-    elif mode == "sim" and key.device.type != "cpu":
-        reasons.append(f"mode='sim' runs on CPU tensors, got device {key.device}")
-    elif mode == "npu" and key.device.type != "npu":
-        reasons.append(f"mode='npu' needs torch_npu tensors, got device {key.device}")
+    reasons += sim.device_reasons(tensors, mode, key)
     return availability + reasons
 
 
@@ -244,6 +246,8 @@ def _build_kernel(block_size: int, key_hd: Tuple[int, int], value_hd: Tuple[int,
                 vb = pypto.view(value_cache, [BS, Hv, Dv], [phys * BS, 0, 0], valid_shape=[rows, Hv, Dv])
                 pypto.assemble(vb, [start + j * BS, 0, 0], value)
 
+    # pypto.frontend.jit compiles from the annotated signature: with and without seq_offset are two
+    # decorated functions around the one body above.
     if has_offset:
         @pypto.frontend.jit(**jit)
         def gather_pa_kv_cache_kernel(

@@ -173,14 +173,7 @@ def kv_prolog_stage2_not_supported_reasons(normed_ckv, k_pe, kv_b_weight, cos, s
             reasons.append(f"{name} must be [T, R/2] = [{T}, {R // 2}], got {list(tensors[name].shape)}")
     if not kv_b_weight.is_contiguous():
         reasons.append("kv_b_weight must be contiguous (it is read in place; a per-call copy is not made)")
-    # devices
-    devices = {t.device for t in tensors.values()}
-    if len(devices) > 1:
-        reasons.append(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
-    elif mode == "sim" and normed_ckv.device.type != "cpu":
-        reasons.append(f"mode='sim' runs on CPU tensors, got device {normed_ckv.device}")
-    elif mode == "npu" and normed_ckv.device.type != "npu":
-        reasons.append(f"mode='npu' needs torch_npu tensors, got device {normed_ckv.device}")
+    reasons += sim.device_reasons(tensors, mode, normed_ckv)
     return availability + reasons
 
 
@@ -285,6 +278,8 @@ def _build_kernel(dims: _Dims, dtype: torch.dtype, rope_layout: str, mode: str, 
             for t_idx in pypto.loop(n_tiles, name="LOOP_T", idx_name="t_idx"):
                 _tile(ckv, w, kpe, cos, sin, k_nope, value, kpe_out, perm, t, t_idx * TT)
 
+    # pypto.frontend.jit compiles from the annotated signature, so the two argument lists (with and
+    # without the permutation matrix) are two decorated functions around one shared body.
     if strided:
         @pypto.frontend.jit(**jit)
         def mla_kv_prolog_stage2(

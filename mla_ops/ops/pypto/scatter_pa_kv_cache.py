@@ -27,10 +27,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import sim
+from .gather_pa_kv_cache import cache_reasons
 
 __all__ = ["scatter_pa_kv_cache", "scatter_pa_kv_cache_not_supported_reasons"]
 
-_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def scatter_pa_kv_cache_not_supported_reasons(key, value, key_cache, value_cache, slot_mapping, *,
@@ -46,14 +46,7 @@ def scatter_pa_kv_cache_not_supported_reasons(key, value, key_cache, value_cache
     not_tensors = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
     if not_tensors:
         return availability + reasons + [f"{', '.join(not_tensors)} must be torch.Tensor"]
-    for name in ("key_cache", "value_cache"):
-        t = tensors[name]
-        if t.dim() != 4:
-            reasons.append(f"{name} must be [num_blocks, block_size, heads, dim], got shape {list(t.shape)}")
-        if t.dtype not in _CACHE_DTYPES:
-            reasons.append(f"{name} dtype must be bfloat16, float16 or float32, got {t.dtype}")
-        if not t.is_contiguous():
-            reasons.append(f"{name} must be contiguous (it is written in place through a flat view)")
+    reasons += cache_reasons(tensors, "written in place")
     for name, cache in (("key", "key_cache"), ("value", "value_cache")):
         if tensors[name].dim() != 3:
             reasons.append(f"{name} must be [tokens, heads, dim], got shape {list(tensors[name].shape)}")
@@ -78,13 +71,7 @@ def scatter_pa_kv_cache_not_supported_reasons(key, value, key_cache, value_cache
     if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0]):
         reasons.append(f"key, value and slot_mapping must have the same number of tokens, got "
                        f"{key.shape[0]}, {value.shape[0]} and {slot_mapping.shape[0]}")
-    devices = {t.device for t in tensors.values()}
-    if len(devices) > 1:
-        reasons.append(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
-    elif mode == "sim" and key.device.type != "cpu":
-        reasons.append(f"mode='sim' runs on CPU tensors, got device {key.device}")
-    elif mode == "npu" and key.device.type != "npu":
-        reasons.append(f"mode='npu' needs torch_npu tensors, got device {key.device}")
+    reasons += sim.device_reasons(tensors, mode, key)
     return availability + reasons
 
 

@@ -541,6 +541,18 @@ def sim_jit_options(*, error_tol: Tuple[float, float] = (1e-3, 1e-3)) -> Dict[st
 MODES = ("sim", "npu")
 
 
+def device_reasons(tensors: Mapping[str, torch.Tensor], mode: str, anchor: torch.Tensor) -> List[str]:
+    """The device part of every kernel's not-supported reasons: one device, and the one `mode` runs on."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        return [f"all tensors must be on one device, got {sorted(str(d) for d in devices)}"]
+    if mode == "sim" and anchor.device.type != "cpu":
+        return [f"mode='sim' runs on CPU tensors, got device {anchor.device}"]
+    if mode == "npu" and anchor.device.type != "npu":
+        return [f"mode='npu' needs torch_npu tensors, got device {anchor.device}"]
+    return []
+
+
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

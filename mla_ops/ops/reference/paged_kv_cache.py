@@ -124,13 +124,23 @@ def gather_pa_kv_cache(key_cache: Tensor, value_cache: Tensor, block_tables: Ten
     _gather_rows_into(value[:total], value_cache, src)
 
 
-def gather_pa_kv_cache_functional(key_cache, value_cache, block_tables, seq_lens, key, value, *,
-                                  seq_offset=None, is_seq_lens_cumsum=False):
-    """Out-of-place twin: returns updated copies of key and value (the inputs are not modified)."""
-    key_out, value_out = key.clone(), value.clone()
-    gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key_out, value_out,
-                       seq_offset=seq_offset, is_seq_lens_cumsum=is_seq_lens_cumsum)
-    return key_out, value_out
+def functional_gather(gather):
+    """The out-of-place twin of an in-place gather kernel (every backend's `_functional` op): it
+    writes into clones of key and value (keeping their strides) and returns them."""
+
+    def gather_functional(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
+                          is_seq_lens_cumsum=False):
+        key_out, value_out = key.clone(), value.clone()
+        gather(key_cache, value_cache, block_tables, seq_lens, key_out, value_out, seq_offset=seq_offset,
+               is_seq_lens_cumsum=is_seq_lens_cumsum)
+        return key_out, value_out
+
+    gather_functional.__name__ = f"{gather.__name__}_functional"
+    gather_functional.__doc__ = f"Out-of-place twin of {gather.__module__}.{gather.__name__}."
+    return gather_functional
+
+
+gather_pa_kv_cache_functional = functional_gather(gather_pa_kv_cache)
 
 
 def _scatter_rows(cache: Tensor, slots: Tensor, src: Tensor) -> None:
