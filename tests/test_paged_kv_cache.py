@@ -214,3 +214,45 @@ def test_device_paths_are_sync_free(fn, argnames):
             return kc, vc
         graph = make_fx(run, tracing_mode="fake")(key, value, key_cache, value_cache, torch.tensor([1, -1, 5] * 3))
     assert "index_select" in str(graph.code) or "index_put" in str(graph.code)
+
+
+@pytest.mark.parametrize("layout", ["range-permuted", "range-with-holes", "scattered-blocks", "partial-runs"])
+def test_scatter_block_wise_paths_match_the_loop(layout):
+    """Whole-block runs are written block-wise (a permutation of a block range through index_select,
+    a range with a few holes stretch by stretch, other block sets through index_put_); whatever the
+    path, the result is the plain loop's."""
+    block_size, num_blocks = 4, 24
+    g = torch.Generator().manual_seed(11)
+    if layout == "range-permuted":
+        blocks = (torch.randperm(8, generator=g) + 5).tolist()
+    elif layout == "range-with-holes":
+        blocks = [5, 9, 6, 12, 8, 11]  # range 5..12 without 7 and 10
+    elif layout == "scattered-blocks":
+        blocks = [20, 1, 13, 3]
+    else:
+        blocks = [2, 3, 7]
+    slots = torch.tensor([b * block_size + t for b in blocks for t in range(block_size)])
+    if layout == "partial-runs":
+        slots = torch.cat((slots, torch.tensor([17 * block_size + 1, 40, -1, 41])))  # tail tokens, padding
+    key, value = torch.randn(len(slots), 2, 3, generator=g), torch.randn(len(slots), 1, 5, generator=g)
+    key_cache = torch.randn(num_blocks, block_size, 2, 3, generator=g)
+    value_cache = torch.randn(num_blocks, block_size, 1, 5, generator=g)
+    expected = scatter_loop_reference(key, value, key_cache, value_cache, slots)
+    torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+
+
+@pytest.mark.parametrize("contiguous_output", [True, False])
+def test_gather_block_wise_path_with_aligned_sequences(contiguous_output):
+    """Sequences whose lengths are whole blocks (then one with a tail) are copied block-wise."""
+    key_cache, value_cache, tables, cumsum, offsets = paged_case(
+        20, 4, [8, 4, 6, 3], key_shape=(2, 3), value_shape=(1, 5), dtype=torch.float32, offsets=[0, 4, 0, 8],
+        columns=4)
+    if contiguous_output:
+        key, value = torch.full((23, 2, 3), 5.0), torch.full((23, 1, 5), 5.0)
+    else:
+        key, value = torch.full((23, 2, 6), 5.0)[..., ::2], torch.full((23, 1, 5), 5.0)
+    expected = gather_loop_reference(key_cache, value_cache, tables, cumsum, key, value, offsets, True)
+    torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, cumsum, key, value, seq_offset=offsets,
+                                     is_seq_lens_cumsum=True)
+    assert torch.equal(key, expected[0]) and torch.equal(value, expected[1])

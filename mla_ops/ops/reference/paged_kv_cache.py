@@ -56,12 +56,15 @@ def _gather_rows_into(dst: Tensor, cache: Tensor, src_slots: Tensor) -> None:
         dst.copy_(rows.index_select(0, src_slots).view(cache.dtype).view(dst.shape))
 
 
-def _gather_source_slots_host(lens: Tensor, table_offset: Tensor, block_tables: Tensor, block_size: int,
-                              total: int) -> Tensor:
-    """Source slot of every gathered token, in output order, built block-wise (CPU, validated inputs).
+def _gather_plan_host(lens: Tensor, table_offset: Tensor, block_tables: Tensor, block_size: int, total: int):
+    """Where every gathered token comes from (CPU, validated inputs), built block-wise.
 
-    Output rows are the sequences back to back (cumsum starts at 0), so token order is
-    (sequence, block, offset) order with each sequence's tail block trimmed.
+    Output rows are the sequences back to back (cumsum starts at 0): token order is (sequence,
+    block, offset) with each sequence's tail block trimmed. Returns (physical, aligned, slots):
+    `physical` [nb] is the block of every used block in that order; its first `aligned` entries are
+    whole blocks landing on block-aligned output rows (every sequence before the first one with a
+    partial tail block, plus that sequence's full blocks), copied block-wise; `slots` are the source
+    slots of the remaining tokens, output rows aligned*block_size .. total-1, copied token-wise.
     """
     blocks = torch.div(lens + block_size - 1, block_size, rounding_mode="floor")
     num_blocks_used = int(blocks.sum())
@@ -69,12 +72,30 @@ def _gather_source_slots_host(lens: Tensor, table_offset: Tensor, block_tables: 
     first_block = torch.cumsum(blocks, 0) - blocks
     block_in_seq = torch.arange(num_blocks_used) - first_block[seq_of_block]
     physical = block_tables[seq_of_block, table_offset[seq_of_block] + block_in_seq].long()
-    slots = (physical[:, None] * block_size + torch.arange(block_size)).view(-1)
-    if num_blocks_used * block_size == total:  # no partial tail block anywhere
-        return slots
-    rows_in_block = (lens[seq_of_block] - block_in_seq * block_size).clamp(max=block_size)
+    tails = torch.remainder(lens, block_size)
+    if num_blocks_used * block_size == total:  # no partial tail block anywhere: all block-wise
+        return physical, num_blocks_used, physical.new_empty(0)
+    first_tail = int(torch.nonzero(tails)[0, 0])
+    aligned = int(torch.div(lens[: first_tail + 1], block_size, rounding_mode="floor").sum())
+    rest = slice(aligned, None)
+    rows_in_block = (lens[seq_of_block[rest]] - block_in_seq[rest] * block_size).clamp(max=block_size)
     keep = torch.arange(block_size)[None, :] < rows_in_block[:, None]
-    return slots[keep.view(-1)]
+    slots = (physical[rest, None] * block_size + torch.arange(block_size))[keep]
+    return physical, aligned, slots
+
+
+def _gather_into(dst: Tensor, cache: Tensor, physical: Tensor, aligned: int, slots: Tensor) -> None:
+    """dst[:total] <- the tokens: whole blocks block-wise (rows of block_size*H*D, measured ~1.2x
+    faster than token rows), the rest token-wise (see _gather_plan_host)."""
+    block_size = cache.shape[1]
+    head = aligned * block_size
+    if aligned and dst.is_contiguous() and cache.is_contiguous():
+        pool = _slot_rows(cache, cache.shape[0])
+        torch.index_select(pool, 0, physical[:aligned], out=_slot_rows(dst[:head], aligned))
+    elif aligned:  # strided output or cache: token-wise for the whole blocks too
+        whole = (physical[:aligned, None] * block_size + torch.arange(block_size)).view(-1)
+        _gather_rows_into(dst[:head], cache, whole)
+    _gather_rows_into(dst[head:head + slots.shape[0]], cache, slots)
 
 
 def _gather_sync_free(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset,
@@ -119,9 +140,9 @@ def gather_pa_kv_cache(key_cache: Tensor, value_cache: Tensor, block_tables: Ten
     block_size = key_cache.shape[1]
     _, lens, table_offset = gather_sequence_layout(block_tables, seq_lens, seq_offset, is_seq_lens_cumsum,
                                                    block_size)
-    src = _gather_source_slots_host(lens, table_offset, block_tables, block_size, total)
-    _gather_rows_into(key[:total], key_cache, src)
-    _gather_rows_into(value[:total], value_cache, src)
+    physical, aligned, slots = _gather_plan_host(lens, table_offset, block_tables, block_size, total)
+    _gather_into(key, key_cache, physical, aligned, slots)
+    _gather_into(value, value_cache, physical, aligned, slots)
 
 
 def functional_gather(gather):
@@ -143,16 +164,60 @@ def functional_gather(gather):
 gather_pa_kv_cache_functional = functional_gather(gather_pa_kv_cache)
 
 
+_MAX_RANGE_HOLES = 8
+
+
+def _scatter_blocks(pool: Tensor, blocks: Tensor, src: Tensor) -> None:
+    """pool[blocks[i]] = src[i] for whole-block rows.
+
+    When the blocks cover one contiguous range of the pool (a prefill into freshly allocated blocks,
+    in any order) except for a few holes (e.g. the block a sequence's tail only partly fills), each
+    hole-free stretch of the range is written as a gather from src through the inverse permutation:
+    index_select's row copies run at copy_ speed, index_put_'s do not (measured 1.2x vs 0.9x of
+    copy_ on 75 MB). Anything else (duplicates, scattered blocks) goes through index_put_."""
+    n = blocks.shape[0]
+    lowest, highest = (int(v) for v in torch.aminmax(blocks))
+    span = highest - lowest + 1
+    if span - n <= _MAX_RANGE_HOLES:
+        order = torch.full((span,), -1, dtype=torch.long)
+        order[blocks - lowest] = torch.arange(n)
+        present = order >= 0
+        if int(present.sum()) == n:  # no block written twice
+            bounds = [-1, *torch.nonzero(~present).flatten().tolist(), span]
+            for hole, next_hole in zip(bounds[:-1], bounds[1:]):
+                if next_hole - hole > 1:
+                    start, stop = hole + 1, next_hole
+                    torch.index_select(src, 0, order[start:stop], out=pool[lowest + start:lowest + stop])
+            return
+    pool.index_put_((blocks,), src)
+
+
 def _scatter_rows(cache: Tensor, slots: Tensor, src: Tensor) -> None:
-    """cache_slot[slots[i]] = src[i] for all rows of src [n, H, D]."""
-    n = src.shape[0]
+    """cache_slot[slots[i]] = src[i] for all rows of src [n, H, D].
+
+    Leading runs of block_size tokens that fill one whole block in order (a prefill's usual slot
+    mapping) are written block-wise, rows of block_size*H*D (measured 0.90x of copy_ against 0.81x
+    token-wise); the rest token-wise."""
+    n, block_size = src.shape[0], cache.shape[1]
     if n == 0:
         return
-    if cache.is_contiguous():
-        src = src.contiguous()
-        _slot_rows(cache, cache.shape[0] * cache.shape[1]).index_put_((slots,), _slot_rows(src, n))
-    else:
+    if not cache.is_contiguous():
         cache.view(-1, *cache.shape[2:]).index_put_((slots,), src)  # raises if no such view exists
+        return
+    src = src.contiguous()
+    whole = n // block_size
+    aligned = 0
+    if whole:
+        runs = slots[: whole * block_size].view(whole, block_size)
+        starts = runs[:, 0]
+        in_order = (torch.remainder(starts, block_size) == 0) & (runs == starts[:, None] + torch.arange(block_size)).all(1)
+        aligned = whole if bool(in_order.all()) else int(torch.argmin(in_order.to(torch.int8)))
+    head = aligned * block_size
+    if aligned:
+        blocks = torch.div(starts[:aligned], block_size, rounding_mode="floor")
+        _scatter_blocks(_slot_rows(cache, cache.shape[0]), blocks, _slot_rows(src[:head], aligned))
+    if head < n:
+        _slot_rows(cache, cache.shape[0] * block_size).index_put_((slots[head:],), _slot_rows(src[head:], n - head))
 
 
 def _scatter_sync_free(key, value, key_cache, value_cache, slot_mapping) -> None:
