@@ -108,3 +108,44 @@ def check_rope_tables(op: str, x_name: str, x: torch.Tensor, cos: torch.Tensor, 
             lambda: f"mla.{op}: cos batch dim must be 1 or {batch} (the batch of {x_name}), "
             f"got {cos.shape[0]}",
         )
+
+
+_EAGER_MEMO_SIZE = 512
+
+
+def eager_memo(check):
+    """Run a metadata check once per distinct call signature in eager mode.
+
+    The checks look only at shapes, dtypes, devices and scalar arguments, so a signature that passed
+    once passes again; decode calls the same ops with the same shapes every step, and the ~30-60 µs of
+    a full check would otherwise be paid per op and layer. Fake tensors (torch.compile, export) and
+    anything traced always run the full check, so bad calls still fail at trace time.
+    """
+    from collections import OrderedDict
+
+    passed: OrderedDict = OrderedDict()
+
+    def signature(value):
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), value.dtype, value.device)
+        return value
+
+    def memoized(*args):
+        if torch.compiler.is_compiling() or any(
+                isinstance(a, torch.Tensor) and (isinstance(a, torch._subclasses.FakeTensor) or a.device.type == "meta")
+                for a in args):
+            return check(*args)
+        key = tuple(signature(a) for a in args)
+        if key in passed:
+            passed.move_to_end(key)
+            return None
+        check(*args)
+        passed[key] = None
+        if len(passed) > _EAGER_MEMO_SIZE:
+            passed.popitem(last=False)
+        return None
+
+    memoized.__name__ = check.__name__
+    memoized.__doc__ = check.__doc__
+    memoized.__wrapped__ = check
+    return memoized

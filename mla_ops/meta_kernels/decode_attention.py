@@ -1,12 +1,13 @@
 """Fake kernel and shared argument checks for `mla::mla_decode_attention` (ARCHITECTURE §3.6)."""
 import torch
 
-from ._checks import check_float, check_index, check_rank, check_same_device, check_same_dtype, check_size
+from ._checks import check_float, check_index, check_rank, check_same_device, check_same_dtype, check_size, eager_memo
 from .paged_kv_cache import check_cache_pair
 
 OP = "mla_decode_attention"
 
 
+@eager_memo
 def check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
                                 softmax_scale: float) -> None:
     """q_latent [B, N, L], q_pe [B, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache

@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 
 from ._checks import (
+    eager_memo,
     check_float,
     check_layout,
     check_rank,
@@ -15,6 +16,7 @@ from ._checks import (
 )
 
 
+@eager_memo
 def check_latent_prolog_args(op: str, hidden_states: torch.Tensor, kv_a_weight: torch.Tensor,
                              kv_a_bias: Optional[torch.Tensor], kv_norm_weight: torch.Tensor,
                              cos: torch.Tensor, sin: torch.Tensor, eps: float, rope_layout: str) -> None:
@@ -53,6 +55,7 @@ def check_latent_prolog_args(op: str, hidden_states: torch.Tensor, kv_a_weight: 
                            "cos": cos, "sin": sin})
 
 
+@eager_memo
 def check_kv_prolog_args(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin,
                          num_heads: int, qk_nope_head_dim: int, v_head_dim: int, eps: float,
                          rope_layout: str) -> None:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ._checks import check_index, check_rank, check_same_device, check_same_dtype, check_size
+from ._checks import check_index, check_rank, check_same_device, check_same_dtype, check_size, eager_memo
 
 CACHE_LAYOUT = "[num_blocks, block_size, heads, dim]"
 
@@ -31,6 +31,7 @@ def check_token_tensor(op: str, name: str, t: torch.Tensor, cache_name: str, cac
     check_same_dtype(op, name, t, cache_name, cache)
 
 
+@eager_memo
 def check_scatter_args(key, value, key_cache, value_cache, slot_mapping) -> None:
     """key [T, Hk, Dk], value [T, Hv, Dv], caches [NB, bs, H*, D*], slot_mapping [T] int32/int64."""
     op = "scatter_pa_kv_cache"
@@ -46,6 +47,7 @@ def check_scatter_args(key, value, key_cache, value_cache, slot_mapping) -> None
                            "slot_mapping": slot_mapping})
 
 
+@eager_memo
 def check_gather_args(op: str, key_cache, value_cache, block_tables, seq_lens, key, value,
                       seq_offset: Optional[torch.Tensor], is_seq_lens_cumsum: bool) -> None:
     """Caches [NB, bs, H*, D*]; block_tables [Q, max_blocks]; seq_lens [Q+1] (cumsum) or [Q];

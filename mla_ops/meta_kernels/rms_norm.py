@@ -1,11 +1,12 @@
 """Fake kernel and shared argument checks for `mla::rms_norm` (ARCHITECTURE §3.1)."""
 import torch
 
-from ._checks import check_float, check_rank, check_same_device, check_size
+from ._checks import check_float, check_rank, check_same_device, check_size, eager_memo
 
 OP = "rms_norm"
 
 
+@eager_memo
 def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """x [..., H] float; weight [H] float on x's device; eps >= 0."""
     check_float(OP, "x", x)

@@ -1,11 +1,12 @@
 """Fake kernel and shared argument checks for `mla::rope` (ARCHITECTURE §3.2)."""
 import torch
 
-from ._checks import check_float, check_layout, check_rope_tables, check_same_device
+from ._checks import check_float, check_layout, check_rope_tables, check_same_device, eager_memo
 
 OP = "rope"
 
 
+@eager_memo
 def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> None:
     """x [..., S, D] float with D even; cos/sin [B, S, D/2] or [S, D/2]; layout interleaved|half."""
     check_layout(OP, "layout", layout)

@@ -2,9 +2,9 @@
 
 Rotation pairs are (x[2i], x[2i+1]) — DeepSeek's interleaved convention — rotated in fp32:
     o0 = x0*c - x1*s,   o1 = x0*s + x1*c
-`layout="interleaved"` writes (o0, o1) back into the pair positions, which is bit-identical to
-transformers' native `apply_rotary_emb` (complex multiplication of adjacent pairs, which ATen
-computes as exactly these rounded products and sums). `layout="half"` writes the same values
+computed as transformers' native `apply_rotary_emb` does, one complex multiplication per pair
+(ATen rounds the products, then subtracts / adds them: exactly the formula above), so
+`layout="interleaved"`, which writes (o0, o1) back into the pair positions, is bit-identical to it. `layout="half"` writes the same values
 de-interleaved, out[i] = o0, out[i + D/2] = o1: the hub remote code's
 `apply_rotary_pos_emb` (de-interleave, then x*cos + rotate_half(x)*sin) and
 `torch_npu.npu_interleave_rope`.
@@ -30,17 +30,21 @@ def broadcast_table(table: Tensor, x: Tensor) -> Tensor:
 
 
 def rope_unchecked(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
-    """x [..., S, D] -> rotated, same shape and dtype, contiguous; math in fp32 (fp64 for fp64)."""
-    xf = x.to(compute_dtype(x.dtype))
-    x0, x1 = xf[..., 0::2], xf[..., 1::2]
-    c, s = broadcast_table(cos, x), broadcast_table(sin, x)
-    o0 = x0 * c - x1 * s
-    o1 = x0 * s + x1 * c
+    """x [..., S, D] -> rotated, same shape and dtype, contiguous; math in fp32 (fp64 for fp64).
+
+    One complex multiplication of the pairs (x[2i] + i x[2i+1]) by (cos + i sin): the op count
+    matters at decode sizes (measured 10.6 vs 22.8 us for k_pe at S=1 against the elementwise
+    formulation), and it is exactly transformers' apply_rotary_emb arithmetic.
+    """
+    cdt = compute_dtype(x.dtype)
+    xf = x.to(cdt).contiguous()  # view_as_complex needs even strides and offset
+    pairs = torch.view_as_complex(xf.view(*x.shape[:-1], -1, 2))
+    rotated = torch.view_as_real(pairs * torch.complex(broadcast_table(cos, x), broadcast_table(sin, x)))
     if layout == "interleaved":
-        out = torch.stack((o0, o1), dim=-1).flatten(-2)
-    else:
-        out = torch.cat((o0, o1), dim=-1)
-    return out.to(x.dtype)
+        out = rotated.flatten(-2)
+    else:  # de-interleaved: all first elements of the pairs, then all second elements
+        out = rotated.transpose(-1, -2).reshape(x.shape)
+    return out.to(x.dtype).contiguous()
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, *, layout: str = "interleaved") -> Tensor:
