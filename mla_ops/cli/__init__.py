@@ -139,7 +139,8 @@ def _bench(args) -> None:
                                   ("speedup", "speedup"), ("verdict", "verdict")]))
         meta.update(model=loaded.source, dtype=str(loaded.dtype), device=str(device), fused=fused)
         _write_json(json_path, {"meta": meta, "rows": rows})
-        title = f"baseline vs fused ({loaded.source} model, {str(loaded.dtype).removeprefix('torch.')}, {device})"
+        title = (f"baseline vs fused ({', '.join(sorted(flags))}, cache={args.cache}): {loaded.source} model, "
+                 f"{str(loaded.dtype).removeprefix('torch.')}, {device}")
         if e2e.plot(rows, args.plot, title):
             print(f"plot written to {args.plot}")
         else:

@@ -10,6 +10,7 @@ static variant when the paged patch is active), and transformers compiles the de
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -20,6 +21,11 @@ from .._optional import has_module
 def compile_settings(device: torch.device, say: Callable[[str], None] = print) -> dict:
     """generate() keyword arguments for graph execution on `device`."""
     from transformers import CompileConfig
+
+    # Known, harmless noise from compiling transformers' own code (its MoE helper's lru_cache, the
+    # complex-valued rotary embedding inductor leaves to eager); anything else still shows.
+    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`-wrapped function")
+    warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex operators")
 
     if device.type == "npu":
         if has_module("torchair"):
