@@ -53,14 +53,40 @@ for pto, rope, kv, graph in itertools.product([False, True], repeat=4):
                                       id=" ".join(flags) or "baseline"))
 
 
+def expected_mla_calls(flags, layers=2, forwards=5):
+    """torch.ops.mla calls one eager ask makes: per layer and forward (1 prefill + 4 decode steps)."""
+    kv, paged = "--use_kv_fusion" in flags, "paged" in flags
+    per_forward = {}
+    if "--use_pto" in flags:  # input + post-attention norms (+ kv_a_layernorm unless fused), final norm
+        per_forward["rms_norm"] = (2 if kv else 3) * layers + 1
+    if "--use_rope" in flags or paged:  # q_pe and k_pe, or only q_pe once the prolog rotates k_pe
+        per_forward["rope"] = (1 if kv else 2) * layers
+    if kv and not paged:
+        per_forward["kv_prolog"] = layers
+    if paged:
+        per_forward["latent_kv_prolog"] = per_forward["scatter_pa_kv_cache"] = layers
+    calls = {op: n * forwards for op, n in per_forward.items()}
+    if paged:  # decode steps attend over the latent cache; the prefill attends densely
+        calls["mla_decode_attention"] = layers * (forwards - 1)
+    return calls
+
+
 @pytest.mark.parametrize("flags", FLAG_SETS)
 def test_ask_every_cpu_flag_combination(flags, tmp_path, capsys):
     """In-process (the subprocess path is covered above): same tokens as the baseline, since every
-    mla path reproduces stock transformers' greedy tokens on this model (fp32 to rule out bf16 ties)."""
+    mla path reproduces stock transformers' greedy tokens on this model (fp32 to rule out bf16 ties),
+    and (eager runs) exactly the mla ops each flag routes."""
+    from test_model_patch import MlaCalls
+
     report_file = tmp_path / "r.json"
     torch._dynamo.reset()  # one process runs many graph-mode asks here; a CLI run compiles once
     common = ["ask", "--output_length", "5", "--min-output-length", "5", "--dtype", "fp32", "--no-stream"]
-    assert main([*common, *flags, "--report-file", str(report_file)]) == 0
+    if "--use_acl_graph" in flags:  # Dynamo does not compile under an active dispatch mode: no counting
+        assert main([*common, *flags, "--report-file", str(report_file)]) == 0
+    else:
+        with MlaCalls() as calls:
+            assert main([*common, *flags, "--report-file", str(report_file)]) == 0
+        assert calls.counts == expected_mla_calls(flags)
     report = json.loads(report_file.read_text())
     assert report["generated_tokens"] == 5
     assert main([*common, "--report-file", str(tmp_path / "base.json")]) == 0
@@ -141,6 +167,18 @@ def test_pickle_weights_are_refused_unless_allowed(saved_checkpoint, tmp_path):
 def test_bad_arguments_exit_nonzero_with_a_clear_message(args, message, capsys):
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "e2e", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    (["bench", "e2e", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+    (["bench", "ops", "--threads", "two"], "argument --threads: expected an integer, got 'two'"),
+    (["bench", "e2e", "--prompt-lengths", "32,0"], "expected positive integers"),
+])
+def test_bad_numbers_are_refused_by_the_parser(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_missing_config_and_unknown_flags(tmp_path, capsys):

@@ -254,3 +254,149 @@ def test_static_cache_overflow_is_a_clear_error():
         cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=8, block_size=4)
         with pytest.raises(ValueError, match=r"holds 8 tokens per row \(max_cache_len=8\); this forward needs 10"):
             model(_prompt(config, length=10), cache=cache, use_cache=True)
+
+
+def test_dynamic_cache_under_compile_is_a_clear_error():
+    """The dynamic pool allocates blocks on the host: compiling it must fail naming the fix."""
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=6)
+    torch._dynamo.reset()
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        with pytest.raises(Exception, match=r"MLAPagedCache\(static=False\).*static=True"):
+            torch.compile(model, backend="eager", fullgraph=True)(ids, cache=MLAPagedCache(config), use_cache=True)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_chunked_prefill_equals_stock_on_the_whole_text(static):
+    """A prompt fed in three chunks (prefill, prefill on a cached prefix, prefill again) and then
+    decoded: every logit equals stock's forward over the whole text, to fp32 rounding."""
+    config = lite_attn_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=23)
+    chunks = [(0, 9), (9, 14), (14, 20), (20, 21), (21, 22), (22, 23)]  # three prefills, three decode steps
+    with torch.no_grad():
+        expected = model(ids).logits
+        with patch.apply(model, cache="paged"):
+            cache = (MLAPagedCache(config, static=True, batch_size=1, max_cache_len=32, block_size=4) if static
+                     else MLAPagedCache(config, block_size=4))
+            got = [model(ids[:, a:b], cache=cache, position_ids=torch.arange(a, b)[None], use_cache=True).logits
+                   for a, b in chunks]
+    assert int(cache.seq_lens[0]) == 23
+    torch.testing.assert_close(torch.cat(got, 1), expected, rtol=0, atol=2e-5)
+
+
+def test_weights_changed_after_decoding_are_picked_up():
+    """The absorbed W_UK / W_UV copies follow kv_b_proj: modified in place, or the model cast (stale
+    fp32 copies would fail the bf16 bmm outright)."""
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=8)
+    gen = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        model.generate(ids, **gen)
+        for layer in model.model.layers:
+            layer.self_attn.kv_b_proj.weight.mul_(1.7)
+        got_scaled = model.generate(ids, **gen)
+        model.to(torch.bfloat16)
+        got_bf16 = model.generate(ids, **gen)
+    with torch.no_grad():
+        expected_bf16 = model.generate(ids, **gen)
+        model.to(torch.float32)
+        expected_scaled = model.generate(ids, **gen)
+    assert torch.equal(got_scaled.sequences, expected_scaled.sequences)
+    # bf16: absorbed decode rounds in other places than stock (see test_bf16_logits_within_tolerance_of_stock)
+    for got, expected in zip(got_bf16.logits, expected_bf16.logits):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.1)
+
+
+def test_reapplying_with_other_options_replaces_the_patch():
+    """apply() on an already patched model: the newest options win, and one revert restores stock."""
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=6)
+    with torch.no_grad():
+        patch.apply(model, cache="paged")
+        assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
+        patch.apply(model, cache="dense")
+        with MlaCalls() as calls:
+            out = model(ids, use_cache=True)
+        assert isinstance(out.past_key_values, DynamicCache) and calls.counts == {"kv_prolog": 2}
+        handle = patch.apply(model, cache="paged")
+        assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
+        assert patch.active_patches() == [handle]
+        handle.revert()
+        with MlaCalls() as calls:
+            out = model(ids, use_cache=True)
+    assert isinstance(out.past_key_values, DynamicCache) and calls.counts == {}
+
+
+def test_num_return_sequences_sampling_matches_stock():
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=7)
+    gen = dict(do_sample=True, top_k=20, num_return_sequences=2, max_new_tokens=10, min_new_tokens=10,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        expected = model.generate(ids, **gen)
+        with patch.apply(model, cache="paged"):
+            torch.manual_seed(3)
+            got = model.generate(ids, **gen)
+    assert isinstance(got.past_key_values, MLAPagedCache) and got.past_key_values.batch_size == 2
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_training_step_under_the_paged_patch_equals_stock():
+    """With gradients on, no paged cache is made: the dense path serves, loss and grads as stock."""
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    model.train()
+    ids = _prompt(config, batch=2, length=9)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    expected_loss, expected_grads = loss_and_grads()
+    with patch.apply(model, cache="paged"):
+        loss, grads = loss_and_grads()
+    assert torch.equal(loss, expected_loss)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_four_dimensional_masks_mark_the_same_padding_as_two_dimensional_ones():
+    config = tiny_config()
+    cache = MLAPagedCache(config, block_size=4)
+    mask_2d = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    allowed = torch.ones(5, 5, dtype=torch.bool).tril()[None, None] & mask_2d.bool()[:, None, None, :]
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    from_2d = cache._real_token_flags(mask_2d, 2, 5, torch.device("cpu"))
+    assert torch.equal(cache._real_token_flags(allowed, 2, 5, torch.device("cpu")), from_2d)
+    assert torch.equal(cache._real_token_flags(additive, 2, 5, torch.device("cpu")), from_2d)
+    assert from_2d.tolist() == [[False, False, True, True, True], [True] * 5]
+
+
+def test_crop_then_continue_equals_stock():
+    """crop(-n) drops the last n cached tokens (freeing whole blocks); generating on from there is
+    stock generation from the same text."""
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = _prompt(config, length=6)
+    gen = dict(do_sample=False, min_new_tokens=5, max_new_tokens=5)
+    with torch.no_grad():
+        with patch.apply(model, cache="paged"):
+            out = model.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10,
+                                 return_dict_in_generate=True)
+            cache = out.past_key_values
+            assert cache.seq_lens.tolist() == [15]
+            cache.crop(-7)  # 8 tokens left: exactly two blocks of 4
+            assert cache.seq_lens.tolist() == [8] and len(cache._blocks_host[0]) == -(-8 // cache.block_size)
+            text = out.sequences[:, :9]
+            got = model.generate(text, cache=cache, **gen)
+        expected = model.generate(text, **gen)
+    assert torch.equal(got, expected)

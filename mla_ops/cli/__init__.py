@@ -33,6 +33,20 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse names the type in its messages
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import ask
 
@@ -55,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(the original benchmark_bs_comparison.py)")
     e2e.add_argument("--prompt-lengths", type=_int_list, default=[32, 512, 2048], help="default: 32,512,2048")
     e2e.add_argument("--output-lengths", type=_int_list, default=[10, 20, 50, 100], help="default: 10,20,50,100")
-    e2e.add_argument("--repeats", type=int, default=3, help="timed runs per variant and configuration (median)")
-    e2e.add_argument("--warmup", type=int, default=1, help="untimed runs per variant first (default: 1)")
+    e2e.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed runs per variant and configuration (median)")
+    e2e.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed runs per variant first (default: 1)")
     e2e.add_argument("--fused", default="kv_fusion",
                      help="what the fused variant routes through mla ops: a comma list of kv_fusion, rope, pto "
                           "(default: kv_fusion, the original comparison)")
@@ -87,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (e2e, ops, decode, sim):
         p.add_argument("--json", dest="json_path", default=None,
                        help=f"write results as JSON here (default: bench_{p.prog.split()[-1].replace('-', '_')}.json)")
-        p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+        p.add_argument("--threads", type=_int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
 
     sub.add_parser("info", help="versions, and which backend can serve which op on this machine")
     return parser

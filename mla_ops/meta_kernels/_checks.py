@@ -121,9 +121,11 @@ def eager_memo(check):
     a full check would otherwise be paid per op and layer. Fake tensors (torch.compile, export) and
     anything traced always run the full check, so bad calls still fail at trace time.
     """
+    import threading
     from collections import OrderedDict
 
     passed: OrderedDict = OrderedDict()
+    lock = threading.Lock()  # serving threads share the memo; OrderedDict moves are not atomic
 
     def signature(value):
         if isinstance(value, torch.Tensor):
@@ -136,13 +138,15 @@ def eager_memo(check):
                 for a in args):
             return check(*args)
         key = tuple(signature(a) for a in args)
-        if key in passed:
-            passed.move_to_end(key)
-            return None
-        check(*args)
-        passed[key] = None
-        if len(passed) > _EAGER_MEMO_SIZE:
-            passed.popitem(last=False)
+        with lock:
+            if key in passed:
+                passed.move_to_end(key)
+                return None
+        check(*args)  # outside the lock: a failing check raises, and checks may be slow
+        with lock:
+            passed[key] = None
+            if len(passed) > _EAGER_MEMO_SIZE:
+                passed.popitem(last=False)
         return None
 
     memoized.__name__ = check.__name__

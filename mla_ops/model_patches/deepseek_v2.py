@@ -33,6 +33,7 @@ import dataclasses
 import os
 import sys
 import types
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -233,21 +234,69 @@ def rms_norm_forward(self, hidden_states):
 
 # ---------------------------------------------------------------------------------- patch handle
 class PatchHandle:
-    """Undoes what one `apply()` did; also a context manager. Reverting twice is harmless."""
+    """Undoes what one `apply()` did; also a context manager. Reverting twice is harmless.
 
-    def __init__(self, options: PatchOptions, target: str):
+    One handle is active per scope (the classes, or one model): applying again to the same scope
+    first reverts the previous handle, so the newest options win and nothing stacks. Models are
+    held by weak reference: a handle does not keep a deleted model alive."""
+
+    def __init__(self, options: PatchOptions, scope):
         self.options = options
-        self.target = target  # "classes" or the patched model's class name
-        self._undo: list[Callable[[], None]] = []
+        self._scope = scope  # "classes", or a weakref to the patched model
+        self._records: list[tuple[object, str, object, bool]] = []  # (obj or weakref, name, previous, in_dict)
         self.patched_modules = 0
 
     @property
+    def target(self) -> str:
+        if self._scope == "classes":
+            return "classes"
+        model = self._scope()
+        return type(model).__name__ if model is not None else "<deleted model>"
+
+    @property
     def active(self) -> bool:
-        return bool(self._undo)
+        return self in _ACTIVE
+
+    def _same_scope(self, scope) -> bool:
+        return self._scope == scope if isinstance(scope, str) else (
+            not isinstance(self._scope, str) and self._scope() is scope())
+
+    def set(self, obj, name: str, value, *, in_dict: bool = False) -> None:
+        """obj.name = value (a class attribute, or an instance __dict__ entry), remembering the old value."""
+        self._records.append((obj if isinstance(obj, type) else weakref.ref(obj), name,
+                              obj.__dict__.get(name, _MISSING), in_dict))
+        if in_dict:
+            obj.__dict__[name] = value
+        else:
+            setattr(obj, name, value)
+
+    def forget_on_revert(self, obj, name: str) -> None:
+        """Drop obj.name (an instance attribute the patched code may create later) when reverting."""
+        self._records.append((weakref.ref(obj), name, _MISSING, True))
+
+    def stock_value(self, obj, name: str):
+        """The value obj.name had before this handle changed it: _MISSING if obj had no own value,
+        _NOT_RECORDED if this handle did not change it."""
+        for ref, rec_name, previous, _ in self._records:
+            if rec_name == name and (ref is obj if isinstance(ref, type) else ref() is obj):
+                return previous
+        return _NOT_RECORDED
 
     def revert(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        while self._records:
+            ref, name, previous, in_dict = self._records.pop()
+            obj = ref if isinstance(ref, type) else ref()
+            if obj is None:
+                continue  # the model is gone
+            if previous is not _MISSING:
+                if in_dict:
+                    obj.__dict__[name] = previous
+                else:
+                    setattr(obj, name, previous)
+            elif in_dict:
+                obj.__dict__.pop(name, None)
+            elif name in obj.__dict__:
+                delattr(obj, name)
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
@@ -264,58 +313,30 @@ class PatchHandle:
 
 _ACTIVE: list[PatchHandle] = []
 _MISSING = object()
-
-
-_ORIGINALS: dict[tuple[int, str], tuple[object, object]] = {}  # (id(obj), name) -> (obj, stock value)
-
-
-def _set_attr(obj, name: str, value, handle: PatchHandle, *, in_dict: bool = False) -> None:
-    """Set obj.name (a class attribute, or an instance __dict__ entry) and record how to undo it.
-
-    The stock value is remembered the first time mla_ops patches (obj, name); any handle's revert
-    restores that stock value, so applying twice and reverting in any order always ends stock."""
-    key = (id(obj), name)
-    if key not in _ORIGINALS:
-        _ORIGINALS[key] = (obj, obj.__dict__.get(name, _MISSING))
-    if in_dict:
-        obj.__dict__[name] = value
-    else:
-        setattr(obj, name, value)
-
-    def undo():
-        entry = _ORIGINALS.pop(key, None)
-        if entry is None:
-            return  # another handle already restored the stock value
-        stock = entry[1]
-        if stock is not _MISSING:
-            setattr(obj, name, stock) if not in_dict else obj.__dict__.__setitem__(name, stock)
-        elif in_dict:
-            obj.__dict__.pop(name, None)
-        elif name in obj.__dict__:
-            delattr(obj, name)
-
-    handle._undo.append(undo)
+_NOT_RECORDED = object()
 
 
 def stock_attr(obj, name: str):
     """obj.name as it was before mla_ops patched it (the current value if it is not patched)."""
-    entry = _ORIGINALS.get((id(obj), name))
-    if entry is None:
-        return getattr(obj, name)
-    if entry[1] is not _MISSING:
-        return entry[1]
-    # The stock value was inherited: look past obj's own (patched) entry.
-    if isinstance(obj, type):
-        for base in obj.__mro__[1:]:
-            if name in base.__dict__:
-                return base.__dict__[name]
-        raise AttributeError(name)
-    return getattr(type(obj), name)
+    for handle in _ACTIVE:
+        previous = handle.stock_value(obj, name)
+        if previous is _NOT_RECORDED:
+            continue
+        if previous is not _MISSING:
+            return previous
+        if isinstance(obj, type):  # the stock value was inherited: look past obj's own (patched) entry
+            for base in obj.__mro__[1:]:
+                if name in base.__dict__:
+                    return base.__dict__[name]
+            raise AttributeError(name)
+        return getattr(type(obj), name)
+    return getattr(obj, name)
 
 
 def _patch_module(module, forward, options, handle) -> None:
-    _set_attr(module, "_mla_ops_options", options, handle, in_dict=True)
-    _set_attr(module, "forward", types.MethodType(forward, module), handle, in_dict=True)
+    handle.set(module, "_mla_ops_options", options, in_dict=True)
+    handle.set(module, "forward", types.MethodType(forward, module), in_dict=True)
+    handle.forget_on_revert(module, "_mla_ops_absorbed")  # paged mode's per-layer W_UK / W_UV copies
     handle.patched_modules += 1
 
 
@@ -332,56 +353,68 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
         cache: "dense" or "paged" (latent paged cache + absorbed decode; native attention only).
     Returns:
         A PatchHandle: `handle.revert()` (or leaving a `with` block) restores the stock forwards.
-        Applying again is harmless: the newest options win and revert restores the stock code.
+        Applying again to the same model (or to the classes) first reverts the previous patch there:
+        the newest options win.
     """
     if cache not in CACHE_MODES:
         raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
     if cache == "paged" and not kv_prolog:
         raise ValueError("cache='paged' needs kv_prolog=True (the latent prolog feeds the paged cache)")
     check_transformers_version()
+    scope = "classes" if model is None else weakref.ref(model)
+    for previous in [h for h in _ACTIVE if h._same_scope(scope)]:
+        previous.revert()
     options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache)
-    patch_attention = kv_prolog or rope
-    if model is None:
-        handle = PatchHandle(options, "classes")
-        hf = _native_module()
-        if patch_attention:
-            _set_attr(hf.DeepseekV2Attention, "_mla_ops_options", options, handle)
-            _set_attr(hf.DeepseekV2Attention, "forward", native_attention_forward, handle)
-            handle.patched_modules += 1
-        if rms_norm:
-            _set_attr(hf.DeepseekV2RMSNorm, "forward", rms_norm_forward, handle)
-            handle.patched_modules += 1
-        if cache == "paged":
-            from . import paged
-
-            paged.install_cache_factory(hf.DeepseekV2Model, handle, _set_attr)
-    else:
-        handle = PatchHandle(options, type(model).__name__)
-        found_attention = False
-        for module in model.modules():
-            if patch_attention and is_native_attention(module):
-                _patch_module(module, native_attention_forward, options, handle)
-                found_attention = True
-            elif patch_attention and is_remote_attention(module):
-                if cache == "paged":
-                    handle.revert()
-                    raise NotImplementedError("cache='paged' supports transformers' native DeepseekV2Attention "
-                                              "only; this model uses the hub remote code")
-                _patch_module(module, remote_attention_forward, options, handle)
-                found_attention = True
-            elif rms_norm and _is_rms_norm(module):
-                _set_attr(module, "forward", types.MethodType(rms_norm_forward, module), handle, in_dict=True)
-                handle.patched_modules += 1
-        if patch_attention and not found_attention:
-            handle.revert()
-            raise ValueError(f"no DeepSeek-V2 attention module found in {type(model).__name__}: expected "
-                             f"transformers' DeepseekV2Attention or the hub remote code's (modeling_deepseek.py)")
-        if cache == "paged":
-            from . import paged
-
-            paged.install_cache_factory(model, handle, _set_attr)
+    handle = PatchHandle(options, scope)
     _ACTIVE.append(handle)
+    try:
+        _patch(handle, model, options)
+    except BaseException:
+        handle.revert()
+        raise
     return handle
+
+
+def _patch(handle: PatchHandle, model, options: PatchOptions) -> None:
+    patch_attention = options.kv_prolog or options.rope
+    hf = _native_module()
+    if model is None:
+        if patch_attention:
+            handle.set(hf.DeepseekV2Attention, "_mla_ops_options", options)
+            handle.set(hf.DeepseekV2Attention, "forward", native_attention_forward)
+            handle.patched_modules += 1
+        if options.rms_norm:
+            handle.set(hf.DeepseekV2RMSNorm, "forward", rms_norm_forward)
+            handle.patched_modules += 1
+        if options.cache == "paged":
+            from . import paged
+
+            paged.install_cache_factory(hf.DeepseekV2Model, handle)
+        return
+    found_attention = False
+    for module in model.modules():
+        if patch_attention and is_native_attention(module):
+            _patch_module(module, native_attention_forward, options, handle)
+            found_attention = True
+        elif patch_attention and is_remote_attention(module):
+            if options.cache == "paged":
+                raise NotImplementedError("cache='paged' supports transformers' native DeepseekV2Attention only; "
+                                          "this model uses the hub remote code")
+            if not options.kv_prolog:
+                raise ValueError("the hub remote-code attention is routed through mla.kv_prolog: use "
+                                 "kv_prolog=True (rope=True and rms_norm=True can be added)")
+            _patch_module(module, remote_attention_forward, options, handle)
+            found_attention = True
+        elif options.rms_norm and _is_rms_norm(module):
+            handle.set(module, "forward", types.MethodType(rms_norm_forward, module), in_dict=True)
+            handle.patched_modules += 1
+    if patch_attention and not found_attention:
+        raise ValueError(f"no DeepSeek-V2 attention module found in {type(model).__name__}: expected "
+                         f"transformers' DeepseekV2Attention or the hub remote code's (modeling_deepseek.py)")
+    if options.cache == "paged":
+        from . import paged
+
+        paged.install_cache_factory(model, handle)
 
 
 def revert() -> None:

@@ -15,9 +15,14 @@ real tokens.
   prepared once per layer from kv_b_proj.weight (contiguous copies); kv_b never runs over the cache.
 
 `MLAPagedCache(static=False)` grows block by block from a free list (host bookkeeping, pools double
-when full). `MLAPagedCache(static=True, batch_size=..., max_cache_len=...)` preallocates everything
-and does its bookkeeping with tensor ops only, so a decode step compiles with
-`torch.compile(fullgraph=True)` and can be graph-captured.
+when full; it refuses to be traced by torch.compile). `MLAPagedCache(static=True, batch_size=...,
+max_cache_len=...)` preallocates everything and keeps the per-token bookkeeping in tensors, so a
+decode step (and a first prefill) compiles with `torch.compile(fullgraph=True)` and can be
+graph-captured; a prefill continuing a cached prefix reads the prefix back with host-known sizes and
+runs eagerly.
+
+While gradients are enabled (training), the patched model does not create a paged cache by itself:
+the model's own cache and the dense path serve, because cache writes are inference-only ops.
 """
 from __future__ import annotations
 
@@ -206,6 +211,11 @@ class MLAPagedCache(Cache):
     def begin_forward(self, attention_mask: Optional[torch.Tensor], batch_size: int, new_tokens: int,
                       dtype: torch.dtype, device: torch.device) -> ForwardPlan:
         """Plan the slots of this forward's tokens (called once per model forward, before the layers)."""
+        if not self.static and torch.compiler.is_compiling():
+            raise RuntimeError(
+                "MLAPagedCache(static=False) allocates blocks on the host and cannot be traced by torch.compile; "
+                "use MLAPagedCache(config, static=True, batch_size=..., max_cache_len=...) or "
+                "generate(..., cache_implementation='static') for compiled decoding")
         if self.layers[0].keys is None:
             self._allocate(batch_size, dtype, device)
         if batch_size != self._batch_size:
@@ -222,12 +232,17 @@ class MLAPagedCache(Cache):
         self.seq_lens.copy_(plan.seq_lens)
         new_tokens = plan.real.shape[1]
         if self.static:
+            # Traced as tensor ops. The host flag is a plain attribute store (replayed after a
+            # compiled step), set by multi-token forwards so a later prefill knows there is a prefix;
+            # decode steps never read or write it, so they compile once.
             self._seen_tensor.add_(new_tokens)
-        # Host-side counters are not touched inside a compiled (static) decode step: an int that
-        # changes every step would be a guard and recompile each time. Static mode reads the tensor.
-        if not torch.compiler.is_compiling():
-            self._seen += new_tokens
-            self._prefilled = True
+            if new_tokens > 1 or not torch.compiler.is_compiling():
+                self._prefilled = True
+            if not torch.compiler.is_compiling():
+                self._seen += new_tokens  # host mirror, for eager callers only
+            return
+        self._seen += new_tokens
+        self._prefilled = True
 
     def _real_token_flags(self, attention_mask, batch_size, new_tokens, device) -> torch.Tensor:
         """[B, S] bool: which new tokens are real (not padding), from a 2-D or 4-D attention mask."""
@@ -273,13 +288,17 @@ class MLAPagedCache(Cache):
         prefix = self.seq_lens
         positions = prefix[:, None] + torch.cumsum(real.long(), 1) - 1
         new_lens = prefix + real.long().sum(1)
-        if not torch.compiler.is_compiling() and int(new_lens.max()) > capacity:
-            raise ValueError(f"MLAPagedCache(static=True) holds {capacity} tokens per row "
-                             f"(max_cache_len={self.max_cache_len}); this forward needs {int(new_lens.max())}")
+        if not torch.compiler.is_compiling():
+            if int(new_lens.max()) > capacity:
+                raise ValueError(f"MLAPagedCache(static=True) holds {capacity} tokens per row "
+                                 f"(max_cache_len={self.max_cache_len}); this forward needs {int(new_lens.max())}")
+        else:  # no host sync inside a graph: a device-side assert instead of silently clamped slots
+            torch._assert_async(new_lens.max() <= capacity,
+                                "MLAPagedCache(static=True): the forward needs more tokens than max_cache_len")
         col = torch.div(positions.clamp(0, capacity - 1), bs, rounding_mode="floor")
         block = self.block_tables.long().gather(1, col)
         slots = torch.where(real, block * bs + positions.clamp(min=0) % bs, -1)
-        has_prefix = self._prefilled and real.shape[1] > 1  # decode never needs the host flag
+        has_prefix = real.shape[1] > 1 and self._prefilled  # decode never reads the host flag
         return ForwardPlan(slot_mapping=slots.view(-1), real=real, prefix_lens=prefix, seq_lens=new_lens,
                            block_tables=self.block_tables, has_prefix=has_prefix)
 
@@ -368,19 +387,20 @@ def _absorbed_weights(attn):
 
     Contiguous copies rather than views: ATen's CPU bf16 bmm copies a strided batch operand on every
     call (measured 8.5 ms for q_nope @ W_UK from the view vs 0.06 ms from the copy). They are remade
-    when kv_b_proj.weight is replaced or modified in place (its version counter; not checked inside a
-    compiled graph, where weights are frozen)."""
+    when kv_b_proj.weight is replaced, modified in place, moved or cast (not checked inside a compiled
+    graph, where weights are frozen)."""
     weight = attn.kv_b_proj.weight
     cached = attn.__dict__.get("_mla_ops_absorbed")
     stale = cached is None or cached[0] is not weight
     if not stale and not torch.compiler.is_compiling():
-        stale = cached[1] != weight._version
+        # in place (version), new storage (`.data = `, model.to(device) keeps the Parameter), new dtype
+        stale = cached[1] != (weight._version, weight.data_ptr(), weight.dtype, weight.device)
     if stale:
         with torch.no_grad():
             per_head = weight.view(attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim, attn.kv_lora_rank)
             w_uk = per_head[:, : attn.qk_nope_head_dim].contiguous()
             w_uv_t = per_head[:, attn.qk_nope_head_dim:].transpose(1, 2).contiguous()
-        cached = (weight, weight._version, w_uk, w_uv_t)
+        cached = (weight, (weight._version, weight.data_ptr(), weight.dtype, weight.device), w_uk, w_uv_t)
         attn.__dict__["_mla_ops_absorbed"] = cached
     return cached[2], cached[3]
 
@@ -495,7 +515,9 @@ def _model_forward_with_paged_cache(original_forward):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if use_cache and cache is None:
+        if use_cache and cache is None and not torch.is_grad_enabled():
+            # With gradients (training), the model's own cache and the dense path serve: the paged
+            # cache's writes are inference-only ops.
             cache = MLAPagedCache(self.config)
         if isinstance(cache, MLAPagedCache):
             tokens = input_ids if input_ids is not None else inputs_embeds
@@ -529,7 +551,10 @@ def _prepare_cache_with_paged(original):
         if static and generation_config.max_cache_len is not None:  # as transformers sizes StaticCache
             max_cache_length = max(max_cache_length, generation_config.max_cache_len)
         config = self.config.get_text_config(decoder=True)
-        model_kwargs["cache"] = MLAPagedCache(config, batch_size=batch_size, max_cache_len=max_cache_length,
+        # generate expands the batch by num_return_sequences before the first forward (as transformers
+        # sizes its own caches)
+        rows = batch_size * max(1, generation_config.num_return_sequences or 1)
+        model_kwargs["cache"] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
                                               static=static, dtype=self.dtype, device=self.device)
         return result
 
@@ -537,7 +562,7 @@ def _prepare_cache_with_paged(original):
     return prepare
 
 
-def install_cache_factory(target, handle, set_attr) -> None:
+def install_cache_factory(target, handle) -> None:
     """Hook cache creation on a model instance (or on the native classes when target is the
     DeepseekV2Model class): model(use_cache=True) and generate() then build MLAPagedCache."""
     from .deepseek_v2 import _native_module, stock_attr
@@ -547,16 +572,15 @@ def install_cache_factory(target, handle, set_attr) -> None:
     stock_forward = stock_attr(hf.DeepseekV2Model, "forward")
     stock_prepare = stock_attr(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation")
     if isinstance(target, type):  # class level
-        set_attr(hf.DeepseekV2Model, "forward", _model_forward_with_paged_cache(stock_forward), handle)
-        set_attr(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare),
-                 handle)
+        handle.set(hf.DeepseekV2Model, "forward", _model_forward_with_paged_cache(stock_forward))
+        handle.set(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare))
         return
     models = [m for m in target.modules() if isinstance(m, hf.DeepseekV2Model)]
     if not models:
         raise ValueError(f"cache='paged' needs a transformers DeepseekV2Model inside {type(target).__name__}")
     for model in models:
         bound = _model_forward_with_paged_cache(stock_forward)
-        set_attr(model, "forward", types.MethodType(bound, model), handle, in_dict=True)
+        handle.set(model, "forward", types.MethodType(bound, model), in_dict=True)
     if hasattr(target, "_prepare_cache_for_generation"):
         wrapped = _prepare_cache_with_paged(stock_prepare)
-        set_attr(target, "_prepare_cache_for_generation", types.MethodType(wrapped, target), handle, in_dict=True)
+        handle.set(target, "_prepare_cache_for_generation", types.MethodType(wrapped, target), in_dict=True)

@@ -46,9 +46,11 @@ def _gather_context(name: str, cache: Tensor, block_ids: Tensor) -> Tensor:
     """cache [NB, bs, 1, D] gathered by block_ids [B, nb] -> [B, nb*bs, D] (whole blocks)."""
     batch, blocks = block_ids.shape
     block_size, dim = cache.shape[1], cache.shape[3]
-    flat = cache.reshape(cache.shape[0], block_size * dim)
     out = _workspace(name, (batch * blocks, block_size * dim), cache)
-    torch.index_select(flat, 0, block_ids.reshape(-1), out=out)
+    if cache.is_contiguous():  # rows of one block each: the fewest, widest index_select rows
+        torch.index_select(cache.view(cache.shape[0], block_size * dim), 0, block_ids.reshape(-1), out=out)
+    else:  # a strided pool (e.g. cache[..., :L] of a wider one): copy only the blocks used
+        torch.index_select(cache, 0, block_ids.reshape(-1), out=out.view(batch * blocks, *cache.shape[1:]))
     return out.view(batch, blocks * block_size, dim)
 
 
@@ -70,37 +72,59 @@ def _strided_context(cache: Tensor, block_ids: Tensor):
                             cache.storage_offset() + first * row)
 
 
+def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_lens: Tensor,
+            softmax_scale: float, mask: bool) -> Tensor:
+    """Scores over the gathered context [B, T, L] / [B, T, R] -> o_latent [B, N, L]. With `mask`,
+    positions at or past a row's length are not attended, and a row with no position left
+    (seq_lens <= 0: a padding row of a captured batch) yields zeros, not the NaN of an all -inf
+    softmax."""
+    scores = torch.bmm(q_latent, latent.transpose(1, 2)).float()  # [B, N, T]
+    scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).float()
+    scores *= softmax_scale
+    if mask:
+        positions = torch.arange(latent.shape[1], device=latent.device)
+        lens = seq_lens.long()
+        scores.masked_fill_((positions[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if mask:
+        probs.masked_fill_((lens <= 0)[:, None, None], 0.0)
+    return torch.bmm(probs.to(latent.dtype), latent)
+
+
+def _decode_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
+                      block_tables: Tensor, seq_lens: Tensor, softmax_scale: float) -> Tensor:
+    """Device path (CUDA, ...): no host sync, so graph-capturable. The whole table width is gathered
+    (a static shape), ids are clamped into the pool so nothing is read out of bounds whatever the
+    values, and every row is masked to its length (ids past it are never attended)."""
+    num_blocks = key_cache.shape[0]
+    if q_latent.shape[0] == 0 or block_tables.shape[1] == 0:
+        return q_latent.new_zeros(q_latent.shape)
+    block_ids = block_tables.long().clamp(0, num_blocks - 1)
+    latent = _gather_context("latent", key_cache, block_ids)  # [B, T, L]
+    k_pe = _gather_context("k_pe", value_cache, block_ids)  # [B, T, R]
+    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask=True)
+
+
 def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                          block_tables: Tensor, seq_lens: Tensor, softmax_scale: float) -> Tensor:
     """-> o_latent [B, N, L] in q_latent's dtype."""
     op = "mla_decode_attention"
     check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale)
+    if key_cache.device.type != "cpu":
+        return _decode_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale)
     batch = q_latent.shape[0]
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    if key_cache.device.type == "cpu":
-        # Only the blocks the longest sequence uses (host-known on CPU, and validated).
-        longest = check_decode_values(op, block_tables, seq_lens, num_blocks, block_size)
-        blocks = math.ceil(longest / block_size)
-    else:
-        blocks = block_tables.shape[1]  # static: no host sync, graph-capturable
-        longest = -1
+    # Only the blocks the longest sequence uses (host-known on CPU, and validated).
+    longest = check_decode_values(op, block_tables, seq_lens, num_blocks, block_size)
+    blocks = math.ceil(longest / block_size)
     if batch == 0 or blocks == 0:
         return q_latent.new_zeros(q_latent.shape)
-    # Unused table entries (padding ids such as -1) are clamped; their positions are masked below.
+    # Shorter rows' entries past their length may be padding (-1): clamped, and masked below.
     block_ids = block_tables[:, :blocks].long().clamp(0, num_blocks - 1)
-    latent = k_pe = None
-    if key_cache.device.type == "cpu":
-        latent, k_pe = _strided_context(key_cache, block_ids), _strided_context(value_cache, block_ids)
+    latent, k_pe = _strided_context(key_cache, block_ids), _strided_context(value_cache, block_ids)
     if latent is None or k_pe is None:
         latent = _gather_context("latent", key_cache, block_ids)  # [B, T, L]
         k_pe = _gather_context("k_pe", value_cache, block_ids)  # [B, T, R]
-    scores = torch.bmm(q_latent, latent.transpose(1, 2)).float()  # [B, N, T]
-    scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).float()
-    scores *= softmax_scale
-    if key_cache.device.type != "cpu" or longest != latent.shape[1] or batch > 1:
-        # positions past a row's length (its tail block, shorter rows) must not be attended
-        positions = torch.arange(latent.shape[1], device=latent.device)
-        masked = positions[None, :] >= seq_lens.long()[:, None]  # [B, T]
-        scores.masked_fill_(masked[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs.to(latent.dtype), latent)
+    # one full-length row attends to every gathered position: no mask needed
+    mask = longest != latent.shape[1] or batch > 1
+    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask)

@@ -26,22 +26,26 @@ from ..value_checks import check_gather_values, check_scatter_values, gather_seq
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def _slot_rows(t: Tensor, rows: int) -> Tensor:
-    """View a contiguous tensor as [rows, row_elems] of the widest dtype that tiles a row exactly."""
-    flat = t.view(rows, -1)
-    row_bytes = flat.shape[1] * t.element_size()
-    offset_bytes = t.storage_offset() * t.element_size()
+def _wide_rows(*tensors_and_rows: tuple[Tensor, int]) -> list[Tensor]:
+    """Contiguous tensors holding rows of one layout, each viewed as [rows, row] of one common
+    element type: the widest that divides the row and every tensor's byte offset (so a source and
+    a destination always agree; index kernels need equal dtypes)."""
+    first, first_rows = tensors_and_rows[0]
+    row_bytes = first.numel() // max(first_rows, 1) * first.element_size()
     for wide in _WIDE_DTYPES:
         size = wide.itemsize
-        if row_bytes % size == 0 and offset_bytes % size == 0:
-            return flat.view(wide)
-    return flat  # unreachable: uint8 always fits
+        if row_bytes % size == 0 and all(t.storage_offset() * t.element_size() % size == 0
+                                         for t, _ in tensors_and_rows):
+            break
+    return [t.view(rows, -1).view(wide) for t, rows in tensors_and_rows]
 
 
-def _cache_rows(cache: Tensor) -> Tensor:
-    """[num_blocks, block_size, H, D] -> [num_blocks * block_size, row]; copies only if not contiguous."""
-    slots = cache.shape[0] * cache.shape[1]
-    return _slot_rows(cache if cache.is_contiguous() else cache.contiguous(), slots)
+def _slot_index(cache: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """Slots -> (block, offset) index pair: advanced indexing with it reads or writes the caller's
+    cache in place whatever its strides (split views such as cache[..., :L] of a wider pool, or
+    pools whose blocks are not evenly spaced) without copying the pool."""
+    block_size = cache.shape[1]
+    return torch.div(slots, block_size, rounding_mode="floor"), torch.remainder(slots, block_size)
 
 
 def _gather_rows_into(dst: Tensor, cache: Tensor, src_slots: Tensor) -> None:
@@ -49,11 +53,11 @@ def _gather_rows_into(dst: Tensor, cache: Tensor, src_slots: Tensor) -> None:
     n = dst.shape[0]
     if n == 0:
         return
-    rows = _cache_rows(cache)
-    if dst.is_contiguous():
-        torch.index_select(rows, 0, src_slots, out=_slot_rows(dst, n))
-    else:
-        dst.copy_(rows.index_select(0, src_slots).view(cache.dtype).view(dst.shape))
+    if cache.is_contiguous() and dst.is_contiguous():
+        pool, out = _wide_rows((cache, cache.shape[0] * cache.shape[1]), (dst, n))
+        torch.index_select(pool, 0, src_slots, out=out)
+    else:  # strided cache or output: one element-typed gather, then one copy
+        dst.copy_(cache[_slot_index(cache, src_slots)])
 
 
 def _gather_plan_host(lens: Tensor, table_offset: Tensor, block_tables: Tensor, block_size: int, total: int):
@@ -90,8 +94,8 @@ def _gather_into(dst: Tensor, cache: Tensor, physical: Tensor, aligned: int, slo
     block_size = cache.shape[1]
     head = aligned * block_size
     if aligned and dst.is_contiguous() and cache.is_contiguous():
-        pool = _slot_rows(cache, cache.shape[0])
-        torch.index_select(pool, 0, physical[:aligned], out=_slot_rows(dst[:head], aligned))
+        pool, out = _wide_rows((cache, cache.shape[0]), (dst[:head], aligned))
+        torch.index_select(pool, 0, physical[:aligned], out=out)
     elif aligned:  # strided output or cache: token-wise for the whole blocks too
         whole = (physical[:aligned, None] * block_size + torch.arange(block_size)).view(-1)
         _gather_rows_into(dst[:head], cache, whole)
@@ -117,7 +121,7 @@ def _gather_sync_free(key_cache, value_cache, block_tables, seq_lens, key, value
     ok = covered & col_ok & (physical >= 0) & (physical < num_blocks)
     src = torch.where(ok, physical * block_size + torch.remainder(t, block_size), 0)
     for cache, out in ((key_cache, key), (value_cache, value)):
-        gathered = cache.reshape(num_blocks * block_size, *cache.shape[2:]).index_select(0, src)
+        gathered = cache[_slot_index(cache, src)]
         gathered = torch.where(ok[:, None, None], gathered, 0)
         out.copy_(torch.where(covered[:, None, None], gathered, out))
 
@@ -167,7 +171,7 @@ gather_pa_kv_cache_functional = functional_gather(gather_pa_kv_cache)
 _MAX_RANGE_HOLES = 8
 
 
-def _scatter_blocks(pool: Tensor, blocks: Tensor, src: Tensor) -> None:
+def _scatter_blocks(pool: Tensor, src: Tensor, blocks: Tensor) -> None:
     """pool[blocks[i]] = src[i] for whole-block rows.
 
     When the blocks cover one contiguous range of the pool (a prefill into freshly allocated blocks,
@@ -201,8 +205,8 @@ def _scatter_rows(cache: Tensor, slots: Tensor, src: Tensor) -> None:
     n, block_size = src.shape[0], cache.shape[1]
     if n == 0:
         return
-    if not cache.is_contiguous():
-        cache.view(-1, *cache.shape[2:]).index_put_((slots,), src)  # raises if no such view exists
+    if not cache.is_contiguous():  # writes must land in the caller's strided tensor
+        cache.index_put_(_slot_index(cache, slots), src)
         return
     src = src.contiguous()
     whole = n // block_size
@@ -215,9 +219,10 @@ def _scatter_rows(cache: Tensor, slots: Tensor, src: Tensor) -> None:
     head = aligned * block_size
     if aligned:
         blocks = torch.div(starts[:aligned], block_size, rounding_mode="floor")
-        _scatter_blocks(_slot_rows(cache, cache.shape[0]), blocks, _slot_rows(src[:head], aligned))
+        _scatter_blocks(*_wide_rows((cache, cache.shape[0]), (src[:head], aligned)), blocks)
     if head < n:
-        _slot_rows(cache, cache.shape[0] * block_size).index_put_((slots[head:],), _slot_rows(src[head:], n - head))
+        pool, rows = _wide_rows((cache, cache.shape[0] * block_size), (src[head:], n - head))
+        pool.index_put_((slots[head:],), rows)
 
 
 def _scatter_sync_free(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -238,9 +243,8 @@ def _scatter_sync_free(key, value, key_cache, value_cache, slot_mapping) -> None
     token = torch.where(kept, torch.arange(num_tokens, device=key.device), first_kept)
     dst = torch.where(any_kept, slots[token], 0)
     for src, cache in ((key, key_cache), (value, value_cache)):
-        flat = cache.view(num_slots, *cache.shape[2:])
-        rows = torch.where(any_kept, src[token], flat[0].unsqueeze(0))
-        flat.index_put_((dst,), rows)
+        rows = torch.where(any_kept, src[token], cache[0, 0].unsqueeze(0))
+        cache.index_put_(_slot_index(cache, dst), rows)
 
 
 def scatter_pa_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
