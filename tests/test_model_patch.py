@@ -119,9 +119,12 @@ def test_instance_scope_class_scope_and_revert():
     assert attn.forward.__func__ is patch.native_attention_forward
     assert other.model.layers[0].self_attn.forward.__func__ is ORIGINAL_ATTENTION_FORWARD, "other models untouched"
     assert hf.DeepseekV2Attention.forward is ORIGINAL_ATTENTION_FORWARD, "instance patch leaves the class alone"
-    patch.apply(patched)  # applying twice is harmless
-    handle.revert()
-    handle.revert()  # and so is reverting twice
+    second = patch.apply(patched)  # applying again replaces the first patch (newest options win)
+    assert not handle.active and patch.active_patches() == [second]
+    handle.revert()  # reverting a replaced handle is harmless
+    assert attn.forward.__func__ is patch.native_attention_forward
+    second.revert()
+    second.revert()  # and so is reverting twice
     patch.revert()
     assert "forward" not in attn.__dict__ and attn.forward.__func__ is ORIGINAL_ATTENTION_FORWARD
     with torch.no_grad():
@@ -138,6 +141,17 @@ def test_instance_scope_class_scope_and_revert():
         assert class_handle.active
     assert hf.DeepseekV2Attention.forward is ORIGINAL_ATTENTION_FORWARD
     assert hf.DeepseekV2RMSNorm.forward is ORIGINAL_RMSNORM_FORWARD
+
+    # a handle does not keep its model alive, and dies with it
+    import gc
+    import weakref
+
+    doomed = build_model(config)
+    patch.apply(doomed, cache="paged")
+    alive = weakref.ref(doomed)
+    del doomed
+    gc.collect()
+    assert alive() is None and patch.active_patches() == []
     assert not patch.active_patches()
 
 

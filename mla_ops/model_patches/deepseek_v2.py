@@ -362,6 +362,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
         raise ValueError("cache='paged' needs kv_prolog=True (the latent prolog feeds the paged cache)")
     check_transformers_version()
     scope = "classes" if model is None else weakref.ref(model)
+    _forget_deleted_models()
     for previous in [h for h in _ACTIVE if h._same_scope(scope)]:
         previous.revert()
     options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache)
@@ -423,7 +424,14 @@ def revert() -> None:
         handle.revert()
 
 
+def _forget_deleted_models() -> None:
+    """Drop the handles of models that no longer exist (their patches died with them)."""
+    _ACTIVE[:] = [h for h in _ACTIVE if isinstance(h._scope, str) or h._scope() is not None]
+
+
 def active_patches() -> list[PatchHandle]:
+    """The handles still in effect, oldest first (one per scope: the classes, or a live model)."""
+    _forget_deleted_models()
     return list(_ACTIVE)
 
 
