@@ -12,6 +12,7 @@ also from a plain Python loop over ARCHITECTURE §3.5.
 """
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -324,6 +325,26 @@ def test_gather_rejects_unsupported_inputs():
     bad = dict(inputs, block_tables=inputs["block_tables"].float())
     with pytest.raises(ValueError, match="block_tables dtype must be int32 or int64"):
         gpa.gather_pa_kv_cache(**bad)
+    bad = dict(inputs, value_cache=inputs["value_cache"][:-1].contiguous())
+    with pytest.raises(ValueError, match=r"key_cache and value_cache must share \[num_blocks, block_size\]"):
+        gpa.gather_pa_kv_cache(**bad)
+
+
+def test_scatter_rejects_unsupported_inputs():
+    from mla_ops.ops.pypto import scatter_pa_kv_cache as spa
+    inputs = scatter_inputs(5)
+    cases = {
+        r"value.shape\[1:\] \[1, 16\] must equal value_cache.shape\[2:\] \[1, 32\]":
+            dict(inputs, value=inputs["value"][..., :16].contiguous()),
+        r"key_cache and value_cache must share": dict(inputs, key_cache=inputs["key_cache"][:-1].contiguous()),
+        r"same number of tokens, got 5, 5 and 4": dict(inputs, slot_mapping=inputs["slot_mapping"][:4]),
+        "slot_mapping dtype must be int32 or int64": dict(inputs, slot_mapping=inputs["slot_mapping"].float()),
+    }
+    for pattern, bad in cases.items():
+        reasons = spa.scatter_pa_kv_cache_not_supported_reasons(**bad)
+        assert any(re.search(pattern, r) for r in reasons), (pattern, reasons)
+        with pytest.raises(ValueError, match=pattern):
+            spa.scatter_pa_kv_cache(**bad)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -132,6 +132,21 @@ def cache_reasons(tensors, access: str) -> List[str]:
     return reasons
 
 
+def row_shape_reasons(key, value, key_cache, value_cache) -> List[str]:
+    """Shared by gather and scatter (after the rank checks passed): the caches share
+    [num_blocks, block_size], and key/value rows are the caches' [heads, dim]."""
+    reasons = []
+    if key_cache.shape[:2] != value_cache.shape[:2]:
+        reasons.append(f"key_cache and value_cache must share [num_blocks, block_size], got "
+                       f"{list(key_cache.shape[:2])} and {list(value_cache.shape[:2])}")
+    for name, rows, cache_name, cache in (("key", key, "key_cache", key_cache),
+                                          ("value", value, "value_cache", value_cache)):
+        if rows.shape[1:] != cache.shape[2:]:
+            reasons.append(f"{name}.shape[1:] {list(rows.shape[1:])} must equal {cache_name}.shape[2:] "
+                           f"{list(cache.shape[2:])}")
+    return reasons
+
+
 def gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *,
                                              seq_offset=None, is_seq_lens_cumsum: bool = False,
                                              mode: str = "sim") -> List[str]:
@@ -171,15 +186,7 @@ def gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_table
         reasons.append(f"seq_offset must be 1-D, got shape {list(seq_offset.shape)}")
     if reasons:
         return availability + reasons
-    if key_cache.shape[:2] != value_cache.shape[:2]:
-        reasons.append(f"key_cache and value_cache must share [num_blocks, block_size], got "
-                       f"{list(key_cache.shape[:2])} and {list(value_cache.shape[:2])}")
-    if key.shape[1:] != key_cache.shape[2:]:
-        reasons.append(f"key.shape[1:] {list(key.shape[1:])} must equal key_cache.shape[2:] "
-                       f"{list(key_cache.shape[2:])}")
-    if value.shape[1:] != value_cache.shape[2:]:
-        reasons.append(f"value.shape[1:] {list(value.shape[1:])} must equal value_cache.shape[2:] "
-                       f"{list(value_cache.shape[2:])}")
+    reasons += row_shape_reasons(key, value, key_cache, value_cache)
     if key.shape[0] != value.shape[0]:
         reasons.append(f"key and value must have the same number of rows, got {key.shape[0]} and "
                        f"{value.shape[0]}")

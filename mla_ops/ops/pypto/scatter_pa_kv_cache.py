@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import sim
-from .gather_pa_kv_cache import cache_reasons
+from .gather_pa_kv_cache import cache_reasons, row_shape_reasons
 
 __all__ = ["scatter_pa_kv_cache", "scatter_pa_kv_cache_not_supported_reasons"]
 
@@ -59,15 +59,7 @@ def scatter_pa_kv_cache_not_supported_reasons(key, value, key_cache, value_cache
         reasons.append(f"slot_mapping must be 1-D [tokens], got shape {list(slot_mapping.shape)}")
     if reasons:
         return availability + reasons
-    if key_cache.shape[:2] != value_cache.shape[:2]:
-        reasons.append(f"key_cache and value_cache must share [num_blocks, block_size], got "
-                       f"{list(key_cache.shape[:2])} and {list(value_cache.shape[:2])}")
-    if key.shape[1:] != key_cache.shape[2:]:
-        reasons.append(f"key.shape[1:] {list(key.shape[1:])} must equal key_cache.shape[2:] "
-                       f"{list(key_cache.shape[2:])}")
-    if value.shape[1:] != value_cache.shape[2:]:
-        reasons.append(f"value.shape[1:] {list(value.shape[1:])} must equal value_cache.shape[2:] "
-                       f"{list(value_cache.shape[2:])}")
+    reasons += row_shape_reasons(key, value, key_cache, value_cache)
     if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0]):
         reasons.append(f"key, value and slot_mapping must have the same number of tokens, got "
                        f"{key.shape[0]}, {value.shape[0]} and {slot_mapping.shape[0]}")
