@@ -25,8 +25,6 @@ import torch
 from . import _optional
 from .config import settings
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
 
 @dataclasses.dataclass(frozen=True)
 class Backend:

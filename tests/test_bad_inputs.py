@@ -120,6 +120,8 @@ SYNC_FREE_CASES = [
     ("decode", _decode_args(q_pe=torch.randn(2, 3, 5)), r"mla_decode_attention: value_cache dim .* must equal rope_dim"),
     ("decode", _decode_args(seq_lens=torch.tensor([5])), r"mla_decode_attention: seq_lens length must equal the batch"),
     ("decode", _decode_args(q_pe=torch.randn(2, 3, 4).double()), r"mla_decode_attention: q_pe has dtype"),
+    ("decode", _decode_args(softmax_scale=float("nan")), r"mla_decode_attention: softmax_scale must be a finite positive"),
+    ("decode", _decode_args(softmax_scale=0.0), r"mla_decode_attention: softmax_scale must be a finite positive"),
 ]
 case_ids = [f"{op}-{i}" for i, (op, _, _) in enumerate(SYNC_FREE_CASES)]
 

@@ -68,16 +68,21 @@ def check_size(op: str, name: str, actual, expected, what: str) -> None:
     )
 
 
-def check_layout(op: str, name: str, layout: str, allowed=("interleaved", "half")) -> None:
+ROPE_LAYOUTS = ("interleaved", "half")  # §3.2: transformers' apply_rotary_emb pairs / the hub code's halves
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # the activation dtypes the Ascend kernels compute in
+
+
+def check_layout(op: str, name: str, layout: str, allowed=ROPE_LAYOUTS) -> None:
     torch._check(
         layout in allowed,
         lambda: f"mla.{op}: {name} must be one of {allowed}, got {layout!r}",
     )
 
 
-def check_rope_tables(op: str, x_name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      rope_dim, seq_len, batch) -> None:
-    """cos/sin: one fp value per rotation pair, `[B, S, R/2]` or `[S, R/2]`, on x's device.
+def check_rope_tables(op: str, x_name: str, cos: torch.Tensor, sin: torch.Tensor, rope_dim, seq_len,
+                      batch) -> None:
+    """cos/sin: one fp value per rotation pair, `[B, S, R/2]` or `[S, R/2]`, for the rotated tensor
+    named `x_name` of rotary dim `rope_dim` and `seq_len` tokens (devices are the caller's check).
 
     `batch` is the batch size the tables may broadcast over (None when x has no batch dim).
     """

@@ -1,4 +1,6 @@
 """Fake kernel and shared argument checks for `mla::mla_decode_attention` (ARCHITECTURE §3.6)."""
+import math
+
 import torch
 
 from ._checks import check_float, check_index, check_rank, check_same_device, check_same_dtype, check_size, eager_memo
@@ -11,7 +13,12 @@ OP = "mla_decode_attention"
 def check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
                                 softmax_scale: float) -> None:
     """q_latent [B, N, L], q_pe [B, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache
-    [NB, bs, 1, R] (k_pe); block_tables [B, max_blocks]; seq_lens [B] (including the current token)."""
+    [NB, bs, 1, R] (k_pe); block_tables [B, max_blocks]; seq_lens [B] (including the current token);
+    softmax_scale a finite positive float."""
+    if isinstance(softmax_scale, (int, float)):  # a traced symbolic scale is left to the kernel
+        torch._check(math.isfinite(softmax_scale) and softmax_scale > 0,
+                     lambda: f"mla.{OP}: softmax_scale must be a finite positive number "
+                     f"(e.g. qk_head_dim ** -0.5), got {softmax_scale}")
     check_float(OP, "q_latent", q_latent)
     check_rank(OP, "q_latent", q_latent, 3, "[batch, heads, kv_lora_rank] (q_nope absorbed with W_UK)")
     check_rank(OP, "q_pe", q_pe, 3, "[batch, heads, rope_dim] (rotated)")

@@ -47,7 +47,7 @@ def check_latent_prolog_args(op: str, hidden_states: torch.Tensor, kv_a_weight: 
         check_size(op, "kv_a_bias", kv_a_bias.shape[0], kv_a_weight.shape[0],
                    "length must equal kv_a_weight's output rows")
         check_same_dtype(op, "kv_a_bias", kv_a_bias, "hidden_states", hidden_states)
-    check_rope_tables(op, "k_pe", hidden_states, cos, sin, rope_dim, hidden_states.shape[1],
+    check_rope_tables(op, "k_pe", cos, sin, rope_dim, hidden_states.shape[1],
                       hidden_states.shape[0])
     torch._check(eps >= 0.0, lambda: f"mla.{op}: eps must be >= 0, got {eps}")
     check_same_device(op, {"hidden_states": hidden_states, "kv_a_weight": kv_a_weight,

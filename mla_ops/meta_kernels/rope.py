@@ -13,7 +13,7 @@ def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layou
     check_float(OP, "x", x)
     torch._check(x.dim() >= 2, lambda: f"mla.{OP}: x must be [..., S, D], got shape {tuple(x.shape)}")
     batch = x.shape[0] if x.dim() >= 3 else None
-    check_rope_tables(OP, "x", x, cos, sin, x.shape[-1], x.shape[-2], batch)
+    check_rope_tables(OP, "x", cos, sin, x.shape[-1], x.shape[-2], batch)
     check_same_device(OP, {"x": x, "cos": cos, "sin": sin})
 
 

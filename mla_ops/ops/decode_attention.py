@@ -1,15 +1,14 @@
 """Public wrapper for `torch.ops.mla.mla_decode_attention` (ARCHITECTURE §3.6)."""
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from .value_checks import check_decode_values
+from ..meta_kernels.decode_attention import check_decode_attention_args
+from .value_checks import check_decode_values, validates_on_host
 
 
 def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                          block_tables: Tensor, seq_lens: Tensor, softmax_scale: float, *,
-                         validate: Optional[bool] = None) -> Tensor:
+                         validate: bool = False) -> Tensor:
     """Absorbed MQA decode over the paged latent cache: one query token per sequence.
 
     Args:
@@ -25,7 +24,8 @@ def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
         `o_latent [B, N, L]` = softmax(scale * (q_latent·latent + q_pe·k_pe)) · latent, to be
         multiplied by W_UV and o_proj by the caller.
     """
-    if validate and key_cache.device.type != "cpu":
+    if validates_on_host(validate, key_cache):
+        check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale)
         check_decode_values("mla_decode_attention", block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
     return torch.ops.mla.mla_decode_attention.default(q_latent, q_pe, key_cache, value_cache, block_tables,
                                                       seq_lens, softmax_scale)

@@ -34,6 +34,12 @@ def gather_sequence_layout(block_tables: Tensor, seq_lens: Tensor, seq_offset: O
     return starts, lens, table_offset
 
 
+def validates_on_host(validate: bool, cache: Tensor) -> bool:
+    """Whether a Python helper runs the value checks itself: asked to (`validate=True`) on a
+    non-CPU device. CPU kernels always run them."""
+    return bool(validate) and cache.device.type != "cpu"
+
+
 def _first_bad(mask: Tensor) -> int:
     return int(torch.nonzero(mask)[0, 0])
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ...config import settings
+from ...meta_kernels._checks import HALF_DTYPES
 from ...meta_kernels.kv_prolog import check_kv_prolog_args
 from ...meta_kernels.paged_kv_cache import check_gather_args
 from .. import hybrid
@@ -15,7 +16,6 @@ from ..reference.paged_kv_cache import functional_gather
 from ..reference.rope import rope_unchecked
 from .policy import use_fused_kv_prolog
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _npu_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps):
@@ -42,7 +42,7 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
     check_kv_prolog_args(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, num_heads,
                          qk_nope_head_dim, v_head_dim, eps, rope_layout)
     tokens = hidden_states.shape[0] * hidden_states.shape[1]
-    fused = hidden_states.dtype in _HALF and use_fused_kv_prolog(tokens, settings.npu_fused_max_tokens)
+    fused = hidden_states.dtype in HALF_DTYPES and use_fused_kv_prolog(tokens, settings.npu_fused_max_tokens)
     if fused:
         from ..pypto.kv_prolog_stage2 import kv_prolog_stage2
 

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ...meta_kernels._checks import HALF_DTYPES, ROPE_LAYOUTS
 from . import sim
 
 __all__ = [
@@ -54,9 +55,7 @@ __all__ = [
     "kv_prolog_stage2_not_supported_reasons",
 ]
 
-ROPE_LAYOUTS = ("interleaved", "half")
 ROPE_IMPLS = ("strided", "permute")
-_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +141,7 @@ def kv_prolog_stage2_not_supported_reasons(normed_ckv, k_pe, kv_b_weight, cos, s
         return availability + reasons + [f"{', '.join(not_tensors)} must be torch.Tensor"]
 
     # dtypes
-    if normed_ckv.dtype not in _ACTIVATION_DTYPES:
+    if normed_ckv.dtype not in HALF_DTYPES:
         reasons.append(f"normed_ckv dtype must be float16 or bfloat16 (the PyPTO kernel has no fp32 "
                        f"variant), got {normed_ckv.dtype}")
     for name in ("k_pe", "kv_b_weight"):

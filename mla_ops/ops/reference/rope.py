@@ -15,8 +15,6 @@ from torch import Tensor
 from ...meta_kernels.rope import check_rope_args
 from .rms_norm import compute_dtype
 
-LAYOUTS = ("interleaved", "half")
-
 
 def broadcast_table(table: Tensor, x: Tensor) -> Tensor:
     """cos/sin [B, S, D/2] or [S, D/2] -> broadcastable against x [..., S, D/2], compute dtype.
