@@ -14,8 +14,8 @@ environment variable             default    meaning
 
 ``auto`` picks the best available backend per device (NPU kernels for NPU tensors, the torch
 reference elsewhere) and records why it skipped the others (``mla_ops.backends.explain``).
-An explicit backend is a demand: a call it cannot serve fails with the reasons, it does not fall
-back silently. ``pypto_sim`` runs the PyPTO kernels through pypto's CPU simulator: about a second
+An explicit backend is a demand for the ops it declares: a call it cannot serve fails with the
+reasons, it does not fall back silently; ops it has no kernel for keep the reference kernels. ``pypto_sim`` runs the PyPTO kernels through pypto's CPU simulator: about a second
 per call, meant for tests, kernel work and ``mla-ops bench npu-sim``, never a default.
 """
 from __future__ import annotations
@@ -72,8 +72,8 @@ class Config:
     def from_env(cls) -> "Config":
         return cls(
             backend=_check_backend(os.environ.get("MLA_OPS_BACKEND", "auto") or "auto"),
-            npu_fused_max_tokens=_env_int("MLA_OPS_NPU_FUSED_MAX_TOKENS", 16),
-            npu_warmup_tokens=_env_int_tuple("MLA_OPS_NPU_WARMUP_TOKENS", (1, 2)),
+            npu_fused_max_tokens=_env_int("MLA_OPS_NPU_FUSED_MAX_TOKENS", cls.npu_fused_max_tokens),
+            npu_warmup_tokens=_env_int_tuple("MLA_OPS_NPU_WARMUP_TOKENS", cls.npu_warmup_tokens),
         )
 
 

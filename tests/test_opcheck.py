@@ -92,3 +92,20 @@ def test_mla_decode_attention(dims, dtype):
     q_pe = torch.randn(batch, dims.N, dims.R).to(dtype)
     opcheck(torch.ops.mla.mla_decode_attention.default,
             (q_latent, q_pe, key_cache, value_cache, tables, lens, dims.L ** -0.5))
+
+
+@pytest.mark.parametrize("batch,seq", [(0, 3), (2, 0)], ids=["no-batch", "no-tokens"])
+def test_empty_batches_and_sequences(batch, seq):
+    """Zero rows or zero tokens run eagerly as the fake kernels promise (no ambiguous reshapes)."""
+    import dataclasses
+
+    from utils import SMALL
+
+    d = dataclasses.replace(SMALL, B=batch, S=seq)
+    args = prolog_inputs(d, torch.float32, bias=True, requires_grad=True)
+    opcheck(torch.ops.mla.kv_prolog.default, args, prolog_kwargs(d))
+    hidden, kv_a, kv_a_b, norm_w, _, cos, sin = args
+    opcheck(torch.ops.mla.latent_kv_prolog.default, (hidden, kv_a, kv_a_b, norm_w, cos, sin))
+    x = torch.randn(batch, d.N, seq, d.R, requires_grad=True)
+    opcheck(torch.ops.mla.rope.default, (x, cos, sin), {"layout": "half"})
+    opcheck(torch.ops.mla.rms_norm.default, (hidden, torch.rand(d.H), 1e-6))

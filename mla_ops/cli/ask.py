@@ -139,17 +139,19 @@ def run(args) -> dict:
     say(f"loaded {loaded.source} on {device} ({loaded.dtype}) in {load_time['seconds']:.2f} s")
 
     options = dict(kv_prolog=args.use_kv_fusion, rms_norm=args.use_pto, rope=args.use_rope,
-                   cache=args.cache if args.use_kv_fusion else "dense")
+                   cache=args.cache)  # _validate refused --cache paged without --use_kv_fusion
     handle = None
     if args.use_kv_fusion or args.use_pto or args.use_rope:
         handle = deepseek_v2.apply(model, **options)
         say(f"routed through torch.ops.mla: {', '.join(k for k in ('kv_prolog', 'rms_norm', 'rope') if options[k])}"
             + (f" (cache={options['cache']})" if args.use_kv_fusion else ""))
-        if device.type == "npu" and args.use_kv_fusion:
+        if device.type == "npu" and options["cache"] == "dense" and args.use_kv_fusion:
+            # (the paged mode calls latent_kv_prolog, which has no NPU kernel to compile)
             from ..ops import npu
 
             say(f"compiling the NPU kv_prolog kernels for {npu.warmup_token_counts()} tokens")
-            npu.warmup(model)
+            remote = any(deepseek_v2.is_remote_attention(m) for m in model.modules())
+            npu.warmup(model, rope_layout="half" if remote else "interleaved")
     else:
         say("baseline: the stock transformers model (no mla op)")
 

@@ -21,6 +21,9 @@ def check_cache_pair(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor
                "num_blocks (dim 0) must equal key_cache's")
     check_size(op, "value_cache", value_cache.shape[1], key_cache.shape[1],
                "block_size (dim 1) must equal key_cache's")
+    # an empty pool has no slot to clamp ids into: the sync-free paths could not stay in bounds
+    torch._check(key_cache.shape[0] >= 1, lambda: f"mla.{op}: key_cache needs at least one block (dim 0), got 0")
+    torch._check(key_cache.shape[1] >= 1, lambda: f"mla.{op}: block_size (key_cache dim 1) must be >= 1, got 0")
 
 
 def check_token_tensor(op: str, name: str, t: torch.Tensor, cache_name: str, cache: torch.Tensor) -> None:

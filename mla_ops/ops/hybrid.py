@@ -24,9 +24,11 @@ def stage2_inputs(latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor):
         t = t.to(torch.float32)
         if t.dim() == 2:
             t = t.unsqueeze(0)
-        return t.expand(batch, seq, t.shape[-1]).reshape(tokens, -1)
+        return t.expand(batch, seq, t.shape[-1]).reshape(tokens, t.shape[-1])
 
-    return latent.reshape(tokens, -1), k_pe.reshape(tokens, -1), table(cos), table(sin)
+    # explicit widths: reshape(tokens, -1) is ambiguous when there are no tokens
+    return (latent.reshape(tokens, latent.shape[-1]), k_pe.reshape(tokens, k_pe.shape[-1]), table(cos),
+            table(sin))
 
 
 def stage2_outputs(k_nope: Tensor, value: Tensor, k_pe: Tensor, batch: int, seq: int):

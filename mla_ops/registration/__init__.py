@@ -2,11 +2,14 @@
 
 | dispatch key                | kernel                                                              |
 |-----------------------------|---------------------------------------------------------------------|
-| CompositeExplicitAutograd   | `mla_ops.ops.reference` (CUDA and any other device)                 |
-| CPU                         | backend dispatcher (reference unless MLA_OPS_BACKEND=pypto_sim)     |
-| Meta / fake                 | `mla_ops.meta_kernels`                                              |
-| Autograd                    | backward formulas (4 ops); a clear refusal for the inference-only 4 |
-| PrivateUse1 (Ascend NPU)    | `mla_ops.ops.npu`, only once torch_npu is imported                  |
+| CompositeExplicitAutograd   | `mla_ops.ops.reference`: every device, CPU included, for every op    |
+|                             | without a more specific kernel below                                 |
+| CPU                         | the backend dispatcher, for the ops pypto_sim can serve only          |
+|                             | (`CPU_DISPATCHED_OPS`; reference unless MLA_OPS_BACKEND=pypto_sim)    |
+| Meta / fake                 | `mla_ops.meta_kernels`                                               |
+| Autograd                    | backward formulas (4 ops); a clear refusal for the inference-only 4  |
+| PrivateUse1 (Ascend NPU)    | the backend dispatcher for the ops the `npu` backend declares, once  |
+|                             | torch_npu is imported (`register_npu()`)                             |
 
 `register_all()` is idempotent; `import mla_ops` calls it once.
 """
@@ -28,7 +31,7 @@ from ..ops.reference.kv_prolog import (
 from ..ops.reference.rms_norm import rms_norm_autograd_backward, rms_norm_setup_context
 from ..ops.reference.rope import rope_autograd_backward, rope_setup_context
 from .library import NAMESPACE, lib
-from .schemas import ALL_SCHEMAS, DIFFERENTIABLE_OPS
+from .schemas import ALL_SCHEMAS
 
 AUTOGRAD_FORMULAS = {
     "rms_norm": (rms_norm_autograd_backward, rms_norm_setup_context),
@@ -36,6 +39,8 @@ AUTOGRAD_FORMULAS = {
     "kv_prolog": (kv_prolog_backward, kv_prolog_setup_context),
     "latent_kv_prolog": (latent_kv_prolog_backward, latent_kv_prolog_setup_context),
 }
+# §3.7: the ops with a backward; the others are inference-only and refuse gradients clearly.
+DIFFERENTIABLE_OPS = tuple(AUTOGRAD_FORMULAS)
 INFERENCE_ONLY_OPS = tuple(op for op in ALL_SCHEMAS if op not in DIFFERENTIABLE_OPS)
 # Ops whose CPU calls go through the backend dispatcher (pypto_sim can serve them on CPU).
 CPU_DISPATCHED_OPS = PYPTO_SIM.ops

@@ -66,6 +66,3 @@ ALL_SCHEMAS: dict[str, str] = {
     "gather_pa_kv_cache_functional": GATHER_PA_KV_CACHE_FUNCTIONAL,
     "mla_decode_attention": MLA_DECODE_ATTENTION,
 }
-
-# Ops that get a backward (§3.7); the others are inference-only and refuse gradients clearly.
-DIFFERENTIABLE_OPS = ("rms_norm", "rope", "kv_prolog", "latent_kv_prolog")

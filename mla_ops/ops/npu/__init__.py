@@ -36,9 +36,12 @@ def warmup_token_counts() -> tuple[int, ...]:
     return settings.npu_warmup_tokens
 
 
-def warmup(model) -> None:
+def warmup(model, *, rope_layout: str = "interleaved") -> None:
     """Compile the fused kv_prolog kernels for the token counts decode uses (1 and 2 by default),
-    with the first attention layer's weights, before generation starts (as the original script)."""
+    with the first attention layer's weights, before generation starts (as the original script).
+
+    `rope_layout` must be the one the patched attention calls kv_prolog with ("half" for the hub
+    remote code): kernels are compiled per layout."""
     import torch
 
     attn = next(m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa"))
@@ -52,4 +55,4 @@ def warmup(model) -> None:
             sin = torch.zeros(1, tokens, rope_half, device=device)
             torch.ops.mla.kv_prolog(hidden, kv_a.weight, kv_a.bias, norm.weight, kv_b.weight, cos, sin,
                                     num_heads=attn.num_heads, qk_nope_head_dim=attn.qk_nope_head_dim,
-                                    v_head_dim=attn.v_head_dim, eps=norm.variance_epsilon)
+                                    v_head_dim=attn.v_head_dim, eps=norm.variance_epsilon, rope_layout=rope_layout)

@@ -37,7 +37,10 @@ def _workspace(name: str, shape: tuple, like: Tensor) -> Tensor:
     key = (name, like.dtype)
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=like.dtype)
+        # a normal tensor even when first made under inference_mode: an inference tensor could not
+        # be written by later calls outside it (generate runs under no_grad)
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=like.dtype)
         buffers[key] = buf
     return buf[:numel].view(shape)
 

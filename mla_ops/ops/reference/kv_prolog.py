@@ -52,7 +52,9 @@ def kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Te
     _, latent, k_pe = latent_stage(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps)
     k_nope, value = expand_latent(latent, kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
     k_pe = rope_unchecked(k_pe.view(batch, 1, seq, k_pe.shape[-1]), cos, sin, rope_layout)
-    return k_nope.contiguous(), value.contiguous(), k_pe
+    # clone, not .contiguous(): an empty view counts as contiguous and would be returned as is,
+    # and the two are views of one buffer (custom-op outputs must not alias)
+    return k_nope.clone(memory_format=torch.contiguous_format), value.clone(memory_format=torch.contiguous_format), k_pe
 
 
 def latent_kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor],
@@ -67,7 +69,8 @@ def latent_kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Opti
 
 # ----------------------------------------------------------------------------------------- backward
 # torch.library.register_autograd wiring: one gradient per positional input, None where not needed.
-# Intermediates are recomputed from the saved inputs (two cheap ops) instead of being kept alive.
+# Stage 1 (kv_a projection + RMSNorm) is recomputed once per backward from the saved inputs instead
+# of keeping its intermediates alive between forward and backward.
 
 def _output_specs(output):
     return [(o.shape, o.dtype, o.device) for o in output]
@@ -84,21 +87,22 @@ def _save_common(ctx, keyword_only_inputs, output) -> None:
     ctx.output_specs = _output_specs(output)
 
 
-def _prolog_tail_backward(ctx, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin,
+def _prolog_tail_backward(ctx, stage, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin,
                           grad_latent, grad_k_pe_rot, rope_view, need_tables: bool):
     """Shared by both prologs: RoPE and RMSNorm backward, then the kv_a projection backward.
 
-    Returns grads for (hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin).
+    `stage` is latent_stage's (ckv, latent, k_pe) recomputed by the caller. Returns grads for
+    (hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin).
     """
     need = ctx.needs_input_grad
-    ckv, _, k_pe = latent_stage(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, ctx.eps)
+    ckv, _, k_pe = stage
     grad_ckv, grad_norm_w = rms_norm_backward(grad_latent, ckv, kv_norm_weight, ctx.eps, need_weight=need[3])
     grad_k_pe_in, grad_cos, grad_sin = rope_backward(grad_k_pe_rot, rope_view(k_pe), cos, sin, ctx.rope_layout,
                                                      need_tables=need_tables)
     grad_compressed = torch.cat((grad_ckv, grad_k_pe_in.reshape(k_pe.shape)), dim=-1)  # [B, S, L+R]
-    flat = grad_compressed.reshape(-1, grad_compressed.shape[-1])
+    flat = grad_compressed.flatten(0, -2)  # [B*S, L+R] (flatten: no ambiguous -1 when empty)
     grad_hidden = grad_compressed @ kv_a_weight if need[0] else None
-    grad_kv_a = flat.t() @ hidden_states.reshape(-1, hidden_states.shape[-1]) if need[1] else None
+    grad_kv_a = flat.t() @ hidden_states.flatten(0, -2) if need[1] else None
     grad_bias = flat.sum(0) if (kv_a_bias is not None and need[2]) else None
     return grad_hidden, grad_kv_a, grad_bias, grad_norm_w, grad_cos, grad_sin
 
@@ -115,15 +119,13 @@ def kv_prolog_backward(ctx, grad_k_nope, grad_value, grad_k_pe):
         _grad_or_zeros(g, spec) for g, spec in zip((grad_k_nope, grad_value, grad_k_pe), ctx.output_specs))
     batch, _, seq, _ = grad_k_nope.shape
     # [B, N, S, P+V] -> [B, S, N*(P+V)]: the inverse of the forward's view + transpose.
-    grad_kv = torch.cat((grad_k_nope, grad_value), dim=-1).transpose(1, 2).reshape(batch, seq, -1)
+    grad_kv = torch.cat((grad_k_nope, grad_value), dim=-1).transpose(1, 2).flatten(2)
     grad_latent = grad_kv @ kv_b_weight
-    grad_kv_b = None
-    if ctx.needs_input_grad[4]:
-        _, latent, _ = latent_stage(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, ctx.eps)
-        grad_kv_b = grad_kv.reshape(-1, grad_kv.shape[-1]).t() @ latent.reshape(-1, latent.shape[-1])
+    stage = latent_stage(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, ctx.eps)
+    grad_kv_b = grad_kv.flatten(0, 1).t() @ stage[1].flatten(0, 1) if ctx.needs_input_grad[4] else None
     need_tables = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
     grad_hidden, grad_kv_a, grad_bias, grad_norm_w, grad_cos, grad_sin = _prolog_tail_backward(
-        ctx, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, grad_latent, grad_k_pe,
+        ctx, stage, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, grad_latent, grad_k_pe,
         lambda k_pe: k_pe.reshape(batch, 1, seq, k_pe.shape[-1]), need_tables)
     return grad_hidden, grad_kv_a, grad_bias, grad_norm_w, grad_kv_b, grad_cos, grad_sin
 
@@ -139,5 +141,6 @@ def latent_kv_prolog_backward(ctx, grad_latent, grad_k_pe):
     grad_latent, grad_k_pe = (_grad_or_zeros(g, spec) for g, spec in zip((grad_latent, grad_k_pe),
                                                                           ctx.output_specs))
     need_tables = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
-    return _prolog_tail_backward(ctx, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin,
+    stage = latent_stage(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, ctx.eps)
+    return _prolog_tail_backward(ctx, stage, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin,
                                  grad_latent, grad_k_pe, lambda k_pe: k_pe, need_tables)

@@ -36,7 +36,8 @@ def rope_unchecked(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleav
     """
     cdt = compute_dtype(x.dtype)
     xf = x.to(cdt).contiguous()  # view_as_complex needs even strides and offset
-    pairs = torch.view_as_complex(xf.view(*x.shape[:-1], -1, 2))
+    # explicit sizes: a -1 would be ambiguous for an empty x
+    pairs = torch.view_as_complex(xf.view(*x.shape[:-1], x.shape[-1] // 2, 2))
     rotated = torch.view_as_real(pairs * torch.complex(broadcast_table(cos, x), broadcast_table(sin, x)))
     if layout == "interleaved":
         out = rotated.flatten(-2)
