@@ -122,6 +122,8 @@ SYNC_FREE_CASES = [
     ("decode", _decode_args(q_pe=torch.randn(2, 3, 4).double()), r"mla_decode_attention: q_pe has dtype"),
     ("decode", _decode_args(softmax_scale=float("nan")), r"mla_decode_attention: softmax_scale must be a finite positive"),
     ("decode", _decode_args(softmax_scale=0.0), r"mla_decode_attention: softmax_scale must be a finite positive"),
+    ("decode", _decode_args(key_cache=torch.randn(0, 4, 1, 8), value_cache=torch.randn(0, 4, 1, 4)),
+     r"mla_decode_attention: key_cache needs at least one block"),
 ]
 case_ids = [f"{op}-{i}" for i, (op, _, _) in enumerate(SYNC_FREE_CASES)]
 

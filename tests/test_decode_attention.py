@@ -128,3 +128,23 @@ def test_split_views_of_one_pool_are_read_in_place():
                        expected)
     torch.testing.assert_close(_decode_sync_free(q_latent, q_pe, latent_view, pe_view, tables, seq_lens, 0.2),
                                expected, rtol=1e-6, atol=1e-6)
+
+
+def test_inference_mode_first_call_then_normal_calls():
+    """The reused CPU workspace is made outside inference mode whatever mode the first call ran in;
+    an inference tensor could not be written by a later call under plain no_grad (generate)."""
+    import threading
+
+    results = {}
+
+    def run():  # a fresh thread: a fresh per-thread workspace, first made here under inference_mode
+        args = _case(torch.float32, [5, 3])
+        with torch.inference_mode():
+            results["inference"] = mla_ops.mla_decode_attention(*args, softmax_scale=0.3)
+        with torch.no_grad():
+            results["no_grad"] = mla_ops.mla_decode_attention(*args, softmax_scale=0.3)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert torch.equal(results["inference"], results["no_grad"])
