@@ -13,9 +13,9 @@ setup(
     # torch is deliberately unpinned here (pinned in requirements.txt): the package works with the
     # torch a user already has (CPU, CUDA or torch_npu builds); transformers is needed by the model
     # patches and the CLI only.
-    # transformers: the model patches check its version at apply time (tested: 5.24.x); the ops
-    # themselves do not import it.
-    install_requires=["torch>=2.6", "transformers>=5.24", "safetensors", "tokenizers"],
+    # transformers: bounded to the range the model patches accept at apply time (5.24.x; the
+    # forward signature and cache layout change across 5.x); the ops themselves do not import it.
+    install_requires=["torch>=2.6", "transformers>=5.24,<5.25", "safetensors", "tokenizers"],
     extras_require={
         "pypto": ["pypto==0.2.0"],
         "plot": ["matplotlib"],

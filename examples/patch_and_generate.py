@@ -9,18 +9,13 @@ import torch
 import mla_ops  # noqa: F401  (registers torch.ops.mla)
 from mla_ops.cli.loading import builtin_model
 from mla_ops.model_patches import deepseek_v2
+from mla_ops.model_patches.paged import cache_bytes_per_token_per_layer
 
 model, tokenizer = builtin_model(torch.float32, torch.device("cpu"))
 prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is multi-head latent attention?"}],
                                        add_generation_prompt=True, tokenize=False)
 ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
 settings = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, return_dict_in_generate=True)
-
-
-def cache_bytes_per_token(cache, tokens):
-    if hasattr(cache, "memory_report"):
-        return cache.memory_report()["bytes_per_token_per_layer"]
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) / tokens / len(cache.layers)
 
 
 with torch.no_grad():
@@ -34,7 +29,7 @@ tokens = ids.shape[1] + 23  # the last generated token is not cached yet
 for name, out in results.items():
     same = torch.equal(out.sequences, stock.sequences)
     print(f"{name:<6} tokens identical to stock: {same}; cache {type(out.cache).__name__}, "
-          f"{cache_bytes_per_token(out.cache, tokens):.0f} B per token and layer (fp32)")
+          f"{cache_bytes_per_token_per_layer(out.cache, tokens):.0f} B per token and layer (fp32)")
 
 # torch.export of the first layer's KV prolog: one mla.kv_prolog node in the graph.
 attn = model.model.layers[0].self_attn

@@ -1,6 +1,4 @@
 """The DeepSeek-V2 model patch (dense mode) against the stock transformers model (ARCHITECTURE §5)."""
-import contextlib
-import os
 
 import pytest
 import torch

@@ -97,3 +97,26 @@ def test_remote_paged_mode_is_refused_clearly():
     with pytest.raises(NotImplementedError, match="cache='paged' supports transformers' native"):
         patch.apply(stack, cache="paged")
     assert stack.layers[0].forward.__func__ is remote.DeepseekV2Attention.forward
+
+
+def test_a_refused_reapply_keeps_the_previous_patch():
+    """apply() checks everything before touching the model: a refused re-apply (paged on remote
+    code) leaves the earlier dense patch in place, handle and all."""
+    stack = _stack(tiny_config(), torch.float32)
+    handle = patch.apply(stack)
+    with pytest.raises(NotImplementedError, match="cache='paged' supports transformers' native"):
+        patch.apply(stack, cache="paged")
+    assert handle.active and patch.active_patches() == [handle]
+    assert stack.layers[0].forward.__func__ is patch.remote_attention_forward
+
+
+def test_remote_flash_attention_is_refused_with_the_fix():
+    """The hub code's DeepseekV2FlashAttention2 receives flash-attention masks (None or a 2-D
+    padding mask), which the eager patched forward would misread: refused, naming the way out."""
+    stack = _stack(tiny_config(), torch.float32)
+    flash = type("DeepseekV2FlashAttention2", (remote.DeepseekV2Attention,), {})
+    for layer in stack.layers:
+        layer.__class__ = flash
+    with pytest.raises(NotImplementedError, match="attn_implementation='eager'"):
+        patch.apply(stack)
+    assert "forward" not in stack.layers[0].__dict__ and not patch.active_patches()

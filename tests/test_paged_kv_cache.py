@@ -116,7 +116,7 @@ def test_gather_property_random_tables(data):
     num_blocks = data.draw(st.integers(1, 12))
     num_seqs = data.draw(st.integers(0, 5))
     columns = data.draw(st.integers(1, 4))
-    lens, offsets, rows = [], [], []
+    lens, offsets = [], []
     for _ in range(num_seqs):
         off_cols = data.draw(st.integers(0, columns - 1))
         max_len = (columns - off_cols) * block_size

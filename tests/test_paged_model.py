@@ -400,3 +400,36 @@ def test_crop_then_continue_equals_stock():
             got = model.generate(text, cache=cache, **gen)
         expected = model.generate(text, **gen)
     assert torch.equal(got, expected)
+
+
+def test_class_level_paged_revert_frees_the_absorbed_weights():
+    """The decode path's W_UK / W_UV copies (one kv_b_proj's worth per layer) go with the patch."""
+    config = tiny_config()
+    ids = _prompt(config, length=6)
+    with patch.apply(cache="paged"):
+        model = build_model(config)
+        with torch.no_grad():
+            model.generate(ids, do_sample=False, max_new_tokens=3, min_new_tokens=3)
+        assert all("_mla_ops_absorbed" in layer.self_attn.__dict__ for layer in model.model.layers)
+    assert not any("_mla_ops_absorbed" in layer.self_attn.__dict__ for layer in model.model.layers)
+    with patch.apply(model, cache="paged") as handle:
+        with torch.no_grad():
+            model.generate(ids, do_sample=False, max_new_tokens=3, min_new_tokens=3)
+        assert all("_mla_ops_absorbed" in layer.self_attn.__dict__ for layer in model.model.layers)
+        handle.revert()
+    assert not any("_mla_ops_absorbed" in layer.self_attn.__dict__ for layer in model.model.layers)
+
+
+def test_instance_dense_patch_under_a_class_level_paged_patch():
+    """A model-level dense patch inside a class-level paged one: the class-level model hook still
+    makes an MLAPagedCache, and the attention serves it by its type, with stock's tokens."""
+    config = tiny_config()
+    ids = _prompt(config, length=6)
+    gen = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    model = build_model(config)
+    with torch.no_grad():
+        expected = model.generate(ids, **gen)
+        with patch.apply(cache="paged"), patch.apply(model, rope=True):
+            got = model.generate(ids, **gen, return_dict_in_generate=True)
+    assert isinstance(got.past_key_values, MLAPagedCache)
+    assert torch.equal(got.sequences, expected)

@@ -20,7 +20,7 @@ import torch
 import mla_ops  # noqa: F401
 from ..configs import build_model, lite_attn_config
 from ..model_patches import deepseek_v2 as patch
-from ..model_patches.paged import MLAPagedCache
+from ..model_patches.paged import MLAPagedCache, cache_bytes_per_token_per_layer
 from .timing import interleaved_medians, median_ratio
 
 CONTEXTS = (512, 2048, 4096, 8192)
@@ -49,13 +49,6 @@ def _filled_paged_cache(config, tokens, dtype, generator, block_size):
     return cache
 
 
-def _cache_bytes_per_token_per_layer(cache, tokens, layers):
-    if isinstance(cache, MLAPagedCache):
-        return cache.memory_report()["bytes_per_token_per_layer"]
-    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    return held / tokens / layers
-
-
 def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, min_run_time=0.3,
                          block_size=64, seed=0) -> list[dict]:
     config = lite_attn_config()
@@ -63,7 +56,7 @@ def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, m
     dense, paged = copy.deepcopy(stock), copy.deepcopy(stock)
     handles = [patch.apply(dense), patch.apply(paged, cache="paged")]
     g = torch.Generator().manual_seed(seed)
-    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    heads = config.num_attention_heads
     rows = []
     try:
         for tokens in contexts:
@@ -91,7 +84,7 @@ def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, m
                 rows.append({
                     "context": tokens, "variant": name, "ms_per_token": results[name]["median_s"] * 1e3,
                     "stock_over_variant": median_ratio(results, "stock", name),
-                    "cache_bytes_per_token_per_layer": _cache_bytes_per_token_per_layer(cache, tokens, layers),
+                    "cache_bytes_per_token_per_layer": cache_bytes_per_token_per_layer(cache, tokens),
                 })
     finally:
         for h in handles:
@@ -105,7 +98,9 @@ def measure_attention_step(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=5,
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
-    from ..model_patches.paged import _absorbed_weights
+    from types import SimpleNamespace
+
+    from ..model_patches.paged import _decode_absorbed
 
     config = lite_attn_config()
     torch.manual_seed(seed)
@@ -117,7 +112,6 @@ def measure_attention_step(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=5,
     q_nope = torch.randn(1, heads, 1, nope, generator=g).to(dtype)
     q_pe = torch.randn(1, heads, 1, rope, generator=g).to(dtype)
     query = torch.cat((q_nope, q_pe), dim=-1)
-    w_uk, w_uv_t = _absorbed_weights(attn)
     rows = []
     for tokens in contexts:
         latent = torch.randn(1, 1, tokens, lora, generator=g).to(dtype)
@@ -127,8 +121,9 @@ def measure_attention_step(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=5,
         k_pe_pool = torch.zeros(blocks, block_size, 1, rope, dtype=dtype)
         latent_pool.view(-1, lora)[:tokens] = latent[0, 0]
         k_pe_pool.view(-1, rope)[:tokens] = k_pe[0, 0]
-        tables = torch.arange(blocks, dtype=torch.int32)[None]
-        seq_lens = torch.tensor([tokens])
+        layer = SimpleNamespace(latent_pool=latent_pool, k_pe_pool=k_pe_pool)
+        plan = SimpleNamespace(block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+                               seq_lens=torch.tensor([tokens]))
 
         def stock():
             with torch.no_grad():
@@ -137,10 +132,7 @@ def measure_attention_step(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=5,
 
         def absorbed():
             with torch.no_grad():
-                q_latent = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_uk).transpose(0, 1)
-                o_latent = torch.ops.mla.mla_decode_attention(q_latent, q_pe[:, :, 0], latent_pool, k_pe_pool,
-                                                              tables, seq_lens, attn.scaling)
-                return torch.bmm(o_latent.transpose(0, 1), w_uv_t).transpose(0, 1)
+                return _decode_absorbed(attn, layer, plan, q_nope, q_pe)  # the paged mode's own decode step
 
         results = interleaved_medians({"stock": stock, "absorbed": absorbed}, rounds=rounds,
                                       min_run_time=min_run_time)

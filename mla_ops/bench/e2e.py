@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..cli.runtime import synchronize
 from ..model_patches import deepseek_v2
 
 PROMPT_LENGTHS = (32, 512, 2048)
@@ -54,8 +55,7 @@ def measure(model, tokenizer, *, prompt_lengths=PROMPT_LENGTHS, output_lengths=O
                 start = time.perf_counter()
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, do_sample=False, **extra)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
                 return time.perf_counter() - start
         finally:
             if handle is not None:

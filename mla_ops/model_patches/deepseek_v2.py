@@ -41,7 +41,7 @@ import torch
 SUPPORTED_TRANSFORMERS = ("5.24.0", "5.25.0")  # [min, max): the versions this patch is tested against
 ALLOW_UNTESTED_ENV = "MLA_OPS_ALLOW_UNTESTED_TRANSFORMERS"
 CACHE_MODES = ("dense", "paged")
-_ATTENTION_CLASS_NAMES = ("DeepseekV2Attention", "DeepseekV2FlashAttention2")
+_REMOTE_FLASH_ATTENTION = "DeepseekV2FlashAttention2"  # the hub code's FA2 variant: other mask convention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ def is_native_attention(module: torch.nn.Module) -> bool:
 def is_remote_attention(module: torch.nn.Module) -> bool:
     """The hub remote-code attention (modeling_deepseek.py): same class name, its own module, and the
     remote code's per-layer `rotary_emb` and `softmax_scale` attributes."""
-    return (type(module).__name__ in _ATTENTION_CLASS_NAMES and not is_native_attention(module)
+    return (type(module).__name__ == "DeepseekV2Attention" and not is_native_attention(module)
             and hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "rotary_emb")
             and hasattr(module, "softmax_scale"))
 
@@ -126,14 +126,13 @@ def native_attention_forward(self, hidden_states, attention_mask=None, cache=Non
     """Drop-in for transformers' native `DeepseekV2Attention.forward` (5.24 signature)."""
     if cache is None:
         cache = kwargs.pop("past_key_values", None)  # the pre-5.24 keyword, still accepted upstream
-    opts = _options(self)
-    if opts.cache == "paged":
-        from . import paged
+    from . import paged
 
-        if isinstance(cache, paged.MLAPagedCache):
-            return paged.native_paged_attention_forward(self, hidden_states, attention_mask, cache,
-                                                        position_embeddings, **kwargs)
-        # no cache, or a cache of another kind passed in explicitly: the dense path serves it
+    if isinstance(cache, paged.MLAPagedCache):  # whoever made it (this patch, or a class-level one)
+        return paged.native_paged_attention_forward(self, hidden_states, attention_mask, cache,
+                                                    position_embeddings, **kwargs)
+    # no cache, or a cache of another kind: the dense path serves it
+    opts = _options(self)
     hf = _native_module()
     batch, seq = hidden_states.shape[:-1]
     q_nope, q_pe = _query(self, hidden_states)
@@ -159,13 +158,20 @@ def native_attention_forward(self, hidden_states, attention_mask=None, cache=Non
             k_nope, k_pe = cache.update(k_nope, k_pe, self.layer_idx, kwargs=kwargs)
         key_states, value_states = self.expand_kv(k_nope, k_pe)
     query_states = torch.cat((q_nope, q_pe), dim=-1)
+    return attend_and_project(self, query_states, key_states, value_states, attention_mask, **kwargs)
+
+
+def attend_and_project(attn, query_states, key_states, value_states, attention_mask, **kwargs):
+    """The stock forward's tail: the model's attention implementation (eager / sdpa / ...) over
+    [B, N, S, *] states, then o_proj -> ([B, S, hidden], attention weights or None)."""
+    hf = _native_module()
+    batch, seq = query_states.shape[0], query_states.shape[2]
     attention_interface: Callable = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, hf.eager_attention_forward)
+        attn.config._attn_implementation, hf.eager_attention_forward)
     attn_output, attn_weights = attention_interface(
-        self, query_states, key_states, value_states, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
-    attn_output = attn_output.reshape(batch, seq, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+        attn, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **kwargs)
+    return attn.o_proj(attn_output.reshape(batch, seq, -1).contiguous()), attn_weights
 
 
 def _remote_rope_pairs(attn, hidden_states, position_ids, kv_seq_len):
@@ -192,26 +198,20 @@ def remote_attention_forward(self, hidden_states, attention_mask=None, position_
 
     KV path through `mla.kv_prolog(rope_layout="half")`: its k_pe is de-interleaved exactly like the
     remote code's `apply_rotary_pos_emb` leaves it, so the cached keys are the ones it would cache."""
-    opts = _options(self)
-    if opts.cache == "paged":
-        raise NotImplementedError("cache='paged' supports transformers' native DeepseekV2Attention only; "
-                                  "use cache='dense' with the hub remote code")
+    opts = _options(self)  # kv_prolog=True and cache="dense": apply() refuses the rest for remote code
     batch, seq, _ = hidden_states.shape
     q_nope, q_pe = _query(self, hidden_states)
     kv_seq_len = seq + _past_length(past_key_value, self.layer_idx, seq)
     if position_ids is None:
         position_ids = torch.arange(kv_seq_len - seq, kv_seq_len, device=hidden_states.device)[None].expand(batch, -1)
     cos, sin = _remote_rope_pairs(self, hidden_states, position_ids, kv_seq_len)
-    if opts.kv_prolog:
-        k_nope, value_states, k_pe = _kv_prolog(self, hidden_states, cos, sin, "half")
-        if opts.rope:
-            q_pe = torch.ops.mla.rope(q_pe, cos, sin, layout="half")
-        else:
-            full_cos, full_sin = self.rotary_emb(hidden_states, seq_len=kv_seq_len)
-            q_pe, _ = sys.modules[type(self).__module__].apply_rotary_pos_emb(
-                q_pe, q_pe[:, :1], full_cos, full_sin, position_ids)
+    k_nope, value_states, k_pe = _kv_prolog(self, hidden_states, cos, sin, "half")
+    if opts.rope:
+        q_pe = torch.ops.mla.rope(q_pe, cos, sin, layout="half")
     else:
-        raise NotImplementedError("the remote-code patch routes the KV path only (kv_prolog=True)")
+        full_cos, full_sin = self.rotary_emb(hidden_states, seq_len=kv_seq_len)
+        q_pe, _ = sys.modules[type(self).__module__].apply_rotary_pos_emb(
+            q_pe, q_pe[:, :1], full_cos, full_sin, position_ids)
     query_states = torch.cat((q_nope, q_pe), dim=-1)
     key_states = _dense_key(k_nope, k_pe)
     if past_key_value is not None:
@@ -244,6 +244,7 @@ class PatchHandle:
         self.options = options
         self._scope = scope  # "classes", or a weakref to the patched model
         self._records: list[tuple[object, str, object, bool]] = []  # (obj or weakref, name, previous, in_dict)
+        self._on_revert: list[Callable[[], None]] = []
         self.patched_modules = 0
 
     @property
@@ -270,9 +271,9 @@ class PatchHandle:
         else:
             setattr(obj, name, value)
 
-    def forget_on_revert(self, obj, name: str) -> None:
-        """Drop obj.name (an instance attribute the patched code may create later) when reverting."""
-        self._records.append((weakref.ref(obj), name, _MISSING, True))
+    def on_revert(self, callback: Callable[[], None]) -> None:
+        """Run callback after the attributes are restored (frees state the patched code made later)."""
+        self._on_revert.append(callback)
 
     def stock_value(self, obj, name: str):
         """The value obj.name had before this handle changed it: _MISSING if obj had no own value,
@@ -297,6 +298,8 @@ class PatchHandle:
                 obj.__dict__.pop(name, None)
             elif name in obj.__dict__:
                 delattr(obj, name)
+        while self._on_revert:
+            self._on_revert.pop()()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
@@ -333,13 +336,6 @@ def stock_attr(obj, name: str):
     return getattr(obj, name)
 
 
-def _patch_module(module, forward, options, handle) -> None:
-    handle.set(module, "_mla_ops_options", options, in_dict=True)
-    handle.set(module, "forward", types.MethodType(forward, module), in_dict=True)
-    handle.forget_on_revert(module, "_mla_ops_absorbed")  # paged mode's per-layer W_UK / W_UV copies
-    handle.patched_modules += 1
-
-
 def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rms_norm: bool = False,
           rope: bool = False, cache: str = "dense") -> PatchHandle:
     """Patch DeepSeek-V2 attention (and optionally RMSNorm / RoPE) onto `torch.ops.mla`.
@@ -361,41 +357,32 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
     if cache == "paged" and not kv_prolog:
         raise ValueError("cache='paged' needs kv_prolog=True (the latent prolog feeds the paged cache)")
     check_transformers_version()
+    options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache)
+    # Everything that can refuse this model is checked before the previous patch is touched.
+    targets = None if model is None else _instance_targets(model, options)
     scope = "classes" if model is None else weakref.ref(model)
     _forget_deleted_models()
     for previous in [h for h in _ACTIVE if h._same_scope(scope)]:
         previous.revert()
-    options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache)
     handle = PatchHandle(options, scope)
     _ACTIVE.append(handle)
     try:
-        _patch(handle, model, options)
+        _patch(handle, model, targets, options)
     except BaseException:
         handle.revert()
         raise
     return handle
 
 
-def _patch(handle: PatchHandle, model, options: PatchOptions) -> None:
+def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> list:
+    """(module, forward) pairs to patch in `model`; raises, touching nothing, if it cannot be patched."""
     patch_attention = options.kv_prolog or options.rope
-    hf = _native_module()
-    if model is None:
-        if patch_attention:
-            handle.set(hf.DeepseekV2Attention, "_mla_ops_options", options)
-            handle.set(hf.DeepseekV2Attention, "forward", native_attention_forward)
-            handle.patched_modules += 1
-        if options.rms_norm:
-            handle.set(hf.DeepseekV2RMSNorm, "forward", rms_norm_forward)
-            handle.patched_modules += 1
-        if options.cache == "paged":
-            from . import paged
-
-            paged.install_cache_factory(hf.DeepseekV2Model, handle)
-        return
-    found_attention = False
+    targets, found_attention, decoder_found = [], False, False
+    native_model_class = _native_module().DeepseekV2Model
     for module in model.modules():
+        decoder_found |= isinstance(module, native_model_class)
         if patch_attention and is_native_attention(module):
-            _patch_module(module, native_attention_forward, options, handle)
+            targets.append((module, native_attention_forward))
             found_attention = True
         elif patch_attention and is_remote_attention(module):
             if options.cache == "paged":
@@ -404,18 +391,42 @@ def _patch(handle: PatchHandle, model, options: PatchOptions) -> None:
             if not options.kv_prolog:
                 raise ValueError("the hub remote-code attention is routed through mla.kv_prolog: use "
                                  "kv_prolog=True (rope=True and rms_norm=True can be added)")
-            _patch_module(module, remote_attention_forward, options, handle)
+            targets.append((module, remote_attention_forward))
             found_attention = True
+        elif patch_attention and type(module).__name__ == _REMOTE_FLASH_ATTENTION:
+            raise NotImplementedError("the hub remote code's DeepseekV2FlashAttention2 takes flash-attention "
+                                      "masks this patch does not build: load the model with "
+                                      "attn_implementation='eager', or use transformers' native DeepSeek-V2")
         elif options.rms_norm and _is_rms_norm(module):
-            handle.set(module, "forward", types.MethodType(rms_norm_forward, module), in_dict=True)
-            handle.patched_modules += 1
+            targets.append((module, rms_norm_forward))
     if patch_attention and not found_attention:
         raise ValueError(f"no DeepSeek-V2 attention module found in {type(model).__name__}: expected "
                          f"transformers' DeepseekV2Attention or the hub remote code's (modeling_deepseek.py)")
+    if options.cache == "paged" and not decoder_found:
+        raise ValueError(f"cache='paged' needs a transformers DeepseekV2Model inside {type(model).__name__}")
+    return targets
+
+
+def _patch(handle: PatchHandle, model, targets, options: PatchOptions) -> None:
+    hf = _native_module()
+    if model is None:
+        if options.kv_prolog or options.rope:
+            handle.set(hf.DeepseekV2Attention, "_mla_ops_options", options)
+            handle.set(hf.DeepseekV2Attention, "forward", native_attention_forward)
+            handle.patched_modules += 1
+        if options.rms_norm:
+            handle.set(hf.DeepseekV2RMSNorm, "forward", rms_norm_forward)
+            handle.patched_modules += 1
+    else:
+        for module, forward in targets:
+            if forward is not rms_norm_forward:
+                handle.set(module, "_mla_ops_options", options, in_dict=True)
+            handle.set(module, "forward", types.MethodType(forward, module), in_dict=True)
+            handle.patched_modules += 1
     if options.cache == "paged":
         from . import paged
 
-        paged.install_cache_factory(model, handle)
+        paged.install_cache_factory(hf.DeepseekV2Model if model is None else model, handle)
 
 
 def revert() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+import weakref
 from typing import Optional
 
 import torch
@@ -186,7 +187,7 @@ class MLAPagedCache(Cache):
             if not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(self._seen_tensor)
         else:
-            per_row = math.ceil(self.max_cache_len / self.block_size) if self.max_cache_len else 1
+            per_row = self.blocks_per_row if self.max_cache_len else 1  # a size hint only: the pool grows
             num_blocks = batch_size * per_row
             self._free = list(range(num_blocks - 1, -1, -1))
             self._lens_host = [0] * batch_size
@@ -381,7 +382,27 @@ class MLAPagedCache(Cache):
         }
 
 
+def cache_bytes_per_token_per_layer(cache, tokens: int) -> float:
+    """Cache bytes per token and layer: an MLAPagedCache's assigned blocks (its memory_report), or
+    everything a dense transformers cache holds for `tokens` tokens."""
+    if isinstance(cache, MLAPagedCache):
+        return cache.memory_report()["bytes_per_token_per_layer"]
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    return held / tokens / len(cache.layers)
+
+
 # -------------------------------------------------------------------------------------- attention
+# Attention modules holding absorbed W_UK / W_UV copies (registered eagerly), freed on revert.
+_ABSORBED_OWNERS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def drop_absorbed_weights(modules=None) -> None:
+    """Free the absorbed copies of `modules` (any iterable of modules), or of every owner."""
+    for module in list(_ABSORBED_OWNERS if modules is None else modules):
+        module.__dict__.pop("_mla_ops_absorbed", None)
+        _ABSORBED_OWNERS.discard(module)
+
+
 def _absorbed_weights(attn):
     """(W_UK [N, P, L], W_UV^T [N, L, V]), contiguous, made once per layer from kv_b_proj.weight.
 
@@ -402,6 +423,8 @@ def _absorbed_weights(attn):
             w_uv_t = per_head[:, attn.qk_nope_head_dim:].transpose(1, 2).contiguous()
         cached = (weight, (weight._version, weight.data_ptr(), weight.dtype, weight.device), w_uk, w_uv_t)
         attn.__dict__["_mla_ops_absorbed"] = cached
+        if not torch.compiler.is_compiling():  # (compiled generate: registered by the generate hook)
+            _ABSORBED_OWNERS.add(attn)
     return cached[2], cached[3]
 
 
@@ -496,13 +519,7 @@ def native_paged_attention_forward(attn, hidden_states, attention_mask, cache, p
         # padding: seen + S); the keys here are the new tokens, which are its last S (dynamic) or
         # first S (static, nothing seen yet) columns.
         attention_mask = attention_mask[..., :seq] if cache.static else attention_mask[..., -seq:]
-    hf = dense._native_module()
-    attention_interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                                   hf.eager_attention_forward)
-    attn_output, attn_weights = attention_interface(
-        attn, query_states, key_states, value_states, attention_mask,
-        dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **kwargs)
-    return attn.o_proj(attn_output.reshape(batch, seq, -1).contiguous()), attn_weights
+    return dense.attend_and_project(attn, query_states, key_states, value_states, attention_mask, **kwargs)
 
 
 # ------------------------------------------------------------------------ model-level integration
@@ -554,6 +571,8 @@ def _prepare_cache_with_paged(original):
         # generate expands the batch by num_return_sequences before the first forward (as transformers
         # sizes its own caches)
         rows = batch_size * max(1, generation_config.num_return_sequences or 1)
+        # a compiled decode makes the absorbed copies inside the trace: register their owners here
+        _ABSORBED_OWNERS.update(m for m in self.modules() if hasattr(m, "kv_b_proj"))
         model_kwargs["cache"] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
                                               static=static, dtype=self.dtype, device=self.device)
         return result
@@ -564,7 +583,8 @@ def _prepare_cache_with_paged(original):
 
 def install_cache_factory(target, handle) -> None:
     """Hook cache creation on a model instance (or on the native classes when target is the
-    DeepseekV2Model class): model(use_cache=True) and generate() then build MLAPagedCache."""
+    DeepseekV2Model class): model(use_cache=True) and generate() then build MLAPagedCache; reverting
+    the handle frees the absorbed W_UK / W_UV copies the decode path made."""
     from .deepseek_v2 import _native_module, stock_attr
 
     hf = _native_module()
@@ -574,11 +594,11 @@ def install_cache_factory(target, handle) -> None:
     if isinstance(target, type):  # class level
         handle.set(hf.DeepseekV2Model, "forward", _model_forward_with_paged_cache(stock_forward))
         handle.set(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare))
+        handle.on_revert(drop_absorbed_weights)
         return
-    models = [m for m in target.modules() if isinstance(m, hf.DeepseekV2Model)]
-    if not models:
-        raise ValueError(f"cache='paged' needs a transformers DeepseekV2Model inside {type(target).__name__}")
-    for model in models:
+    target_ref = weakref.ref(target)  # the callback must not keep the model alive
+    handle.on_revert(lambda: drop_absorbed_weights(target_ref().modules() if target_ref() is not None else ()))
+    for model in (m for m in target.modules() if isinstance(m, hf.DeepseekV2Model)):  # apply() checked one exists
         bound = _model_forward_with_paged_cache(stock_forward)
         handle.set(model, "forward", types.MethodType(bound, model), in_dict=True)
     if hasattr(target, "_prepare_cache_for_generation"):
