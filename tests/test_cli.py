@@ -82,7 +82,9 @@ def test_ask_every_cpu_flag_combination(flags, tmp_path, capsys):
     torch._dynamo.reset()  # one process runs many graph-mode asks here; a CLI run compiles once
     common = ["ask", "--output_length", "5", "--min-output-length", "5", "--dtype", "fp32", "--no-stream"]
     if "--use_acl_graph" in flags:  # Dynamo does not compile under an active dispatch mode: no counting
+        torch._dynamo.utils.counters.clear()
         assert main([*common, *flags, "--report-file", str(report_file)]) == 0
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "graph mode compiled nothing"
     else:
         with MlaCalls() as calls:
             assert main([*common, *flags, "--report-file", str(report_file)]) == 0

@@ -61,16 +61,18 @@ def test_absorbed_equals_materialized_kv_b_attention(dtype, tol):
 def test_blocks_past_seq_len_are_ignored():
     """Cache content after seq_len (and padding ids in the table) must not leak into the result."""
     args = list(_case(torch.float32, [6, 2], block_size=4))
+    assert args[4][1, 1] == -1  # sequence 1 (2 tokens) uses only its first block: the rest is padding
     out = mla_ops.mla_decode_attention(*args, softmax_scale=0.3)
-    tables = args[4].clone()
-    tables[1, 1:] = -1  # sequence 1 only uses its first block
-    key_cache = args[2].clone()
-    key_cache[int(tables[0, 1]), 2:] = 1e4  # sequence 0 uses rows 0..1 of its second block
+    tables, key_cache = args[4].clone(), args[2].clone()
+    spare = int(tables[0, 1])  # sequence 0 uses rows 0..1 of its second block
+    key_cache[spare, 2:] = 1e4
+    tables[1, 1] = spare  # a real block full of 1e4 where sequence 1's padding id was
+    key_cache[int(tables[1, 0]), 2:] = 1e4  # and sequence 1's own block past its length
     args[2], args[4] = key_cache, tables
     assert torch.equal(mla_ops.mla_decode_attention(*args, softmax_scale=0.3), out)
 
 
-@pytest.mark.parametrize("lens", [[13], [16, 16], [16, 9]], ids=["one-row", "two-full-rows", "ragged"])
+@pytest.mark.parametrize("lens", [[13], [16], [16, 16], [16, 9]], ids=["one-row", "one-full-row-unmasked", "two-full-rows", "ragged"])
 def test_contiguous_blocks_read_without_a_gather_give_the_same_result(lens):
     """Blocks laid out back to back (what a fresh allocator hands one sequence) are read through a
     view of the pool instead of a gather copy; the result must not depend on which path ran."""

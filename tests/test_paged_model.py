@@ -138,9 +138,6 @@ def test_cache_memory_is_the_latent():
     block = report["block_size"]
     assert report["tokens"] == 150
     assert 1152 <= report["bytes_per_token_per_layer"] <= 1152 * (150 + block) / 150
-    dense_per_token = 2 * config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim
-                                                        + config.v_head_dim)
-    assert dense_per_token == 10240  # what cache="dense" holds per token and layer, for comparison
 
 
 def test_dynamic_pool_grows_block_by_block():
@@ -307,7 +304,10 @@ def test_weights_changed_after_decoding_are_picked_up():
     assert torch.equal(got_scaled.sequences, expected_scaled.sequences)
     # bf16: absorbed decode rounds in other places than stock (see test_bf16_logits_within_tolerance_of_stock)
     for got, expected in zip(got_bf16.logits, expected_bf16.logits):
-        torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.1)
+        # |logits| <= 0.51 on this model: 0.02 is ~10 bf16 ulps there (measured 0.004; W_UK / W_UV left
+        # stale after the in-place change measured 0.15)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.02)
+    assert torch.equal(got_bf16.sequences, expected_bf16.sequences)
 
 
 def test_reapplying_with_other_options_replaces_the_patch():

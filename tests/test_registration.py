@@ -32,11 +32,50 @@ def test_gather_schema_matches_torch_npu():
         [(a.name, str(a.type), a.kwarg_only, a.default_value) for a in npu.arguments]
 
 
-def test_register_all_is_idempotent():
-    from mla_ops.registration import register_all
+# The schemas as ARCHITECTURE.md §3 writes them, restated here independently of registration/schemas.py.
+CONTRACT_SCHEMAS = {
+    "rms_norm": "mla::rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> Tensor",
+    "rope": 'mla::rope(Tensor x, Tensor cos, Tensor sin, *, str layout="interleaved") -> Tensor',
+    "kv_prolog": "mla::kv_prolog(Tensor hidden_states, Tensor kv_a_weight, Tensor? kv_a_bias, Tensor kv_norm_weight, "
+                 "Tensor kv_b_weight, Tensor cos, Tensor sin, *, int num_heads, int qk_nope_head_dim, "
+                 'int v_head_dim, float eps=1e-6, str rope_layout="interleaved") '
+                 "-> (Tensor k_nope, Tensor value, Tensor k_pe)",
+    "latent_kv_prolog": "mla::latent_kv_prolog(Tensor hidden_states, Tensor kv_a_weight, Tensor? kv_a_bias, "
+                        "Tensor kv_norm_weight, Tensor cos, Tensor sin, *, float eps=1e-6, "
+                        'str rope_layout="interleaved") -> (Tensor latent, Tensor k_pe)',
+    "scatter_pa_kv_cache": "mla::scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+                           "Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
+    "mla_decode_attention": "mla::mla_decode_attention(Tensor q_latent, Tensor q_pe, Tensor key_cache, "
+                            "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float softmax_scale) -> Tensor",
+}
 
+
+@pytest.mark.parametrize("name", list(CONTRACT_SCHEMAS))
+def test_schemas_are_the_contracts(name):
+    """Argument names, types, defaults, mutability and returns as §3 states them (return names are
+    documentation in the contract; the registered ones may be unnamed)."""
+    expected = torch._C.parse_schema(CONTRACT_SCHEMAS[name])
+    ours = getattr(torch.ops.mla, name).default._schema
+
+    def signature(schema):
+        return ([(a.name, str(a.type), a.kwarg_only, a.default_value, a.is_write) for a in schema.arguments],
+                [str(r.type) for r in schema.returns])
+
+    assert signature(ours) == signature(expected)
+
+
+def test_register_all_is_idempotent():
+    """A second register_all() neither raises nor registers anything twice (torch.library would
+    raise on a duplicate kernel), and every op keeps exactly its one schema."""
+    from mla_ops.registration import register_all
+    from mla_ops.registration.library import lib
+
+    before = list(lib._op_impls)
     register_all()
     register_all()
+    assert list(lib._op_impls) == before
+    for name in schemas.ALL_SCHEMAS:
+        assert getattr(torch.ops.mla, name).default._schema.name == f"mla::{name}"
 
 
 def test_import_touches_no_npu_cuda_or_heavy_optional_package():
