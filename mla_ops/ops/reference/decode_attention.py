@@ -9,9 +9,10 @@ the kernel reads L+R values shared by all heads, instead of N*(P+R+V) for materi
 
 The caller multiplies o_latent by W_UV and o_proj.
 
-Precision: the two GEMMs run in the activation dtype with fp32 accumulation, and the softmax runs
-in fp32. For bf16/fp16 that rounds each score and each probability once to the activation dtype
-(relative 2^-9 for bf16) — ATen's CPU bmm has no bf16-in/fp32-out variant, and upcasting the whole
+Precision: the score GEMMs and the output GEMM run in the activation dtype with fp32 accumulation,
+and the softmax runs in fp32. For bf16/fp16 that rounds each of the two score terms (latent and
+rope parts, summed in fp32) and each probability once to the activation dtype (relative 2^-9 for
+bf16) — ATen's CPU bmm has no bf16-in/fp32-out variant, and upcasting the whole
 gathered context to fp32 would cost more than the rest of the step (measured at T=4096: fp32 GEMM
 0.8 ms + conversion 0.4 ms, against 0.17 ms for the bf16 GEMM). fp32 inputs compute in fp32.
 """
