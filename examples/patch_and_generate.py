@@ -8,8 +8,8 @@ import torch
 
 import mla_ops  # noqa: F401  (registers torch.ops.mla)
 from mla_ops.cli.loading import builtin_model
-from mla_ops.model_patches import deepseek_v2
-from mla_ops.model_patches.paged import cache_bytes_per_token_per_layer
+from mla_ops.integrations import transformers as mla_transformers
+from mla_ops.integrations.transformers import cache_bytes_per_token_per_layer
 
 model, tokenizer = builtin_model(torch.float32, torch.device("cpu"))
 prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is multi-head latent attention?"}],
@@ -22,7 +22,7 @@ with torch.no_grad():
     stock = model.generate(ids, **settings)
     results = {"stock": stock}
     for mode in ("dense", "paged"):
-        with deepseek_v2.apply(model, cache=mode):
+        with mla_transformers.apply(model, cache=mode):
             results[mode] = model.generate(ids, **settings)
 
 tokens = ids.shape[1] + 23  # the last generated token is not cached yet

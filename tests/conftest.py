@@ -19,6 +19,7 @@ def _seed_and_threads():
 
 @pytest.fixture(autouse=True)
 def _restore_backend():
-    previous = mla_ops.config.settings.backend
+    previous = mla_ops.settings.settings.backend
     yield
-    mla_ops.config.settings.backend = previous
+    if mla_ops.settings.settings.backend != previous:
+        mla_ops.set_backend(previous)

@@ -5,6 +5,7 @@ import torch
 from torch.autograd import gradcheck
 
 import mla_ops
+
 from utils import SMALL, paged_case, prolog_inputs, prolog_kwargs
 
 
@@ -44,7 +45,7 @@ def test_latent_kv_prolog_gradcheck(layout):
 def test_kv_prolog_backward_with_unused_outputs():
     """Only value used in the loss: the registered backward (whose other output grads are missing
     or zeros) gives what torch's own autograd gives through the same forward written in torch ops."""
-    from mla_ops.ops.reference.kv_prolog import expand_latent, latent_stage
+    from mla_ops.ops.kv_prolog import expand_latent, latent_stage
 
     inputs = prolog_inputs(SMALL, torch.float64)
     args = [a.detach().requires_grad_() if a is not None else None for a in inputs]

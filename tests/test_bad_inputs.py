@@ -1,4 +1,4 @@
-"""Bad-input matrix: every constraint of ARCHITECTURE §3.5 and wrong rank / dtype / device / size on
+"""Bad-input matrix: every paged-cache constraint of the design document and wrong rank / dtype / device / size on
 every op gives an error naming the argument; sync-free checks fail the same way eagerly and under
 torch.compile; outputs are untouched after a rejected call; out-of-range ids never touch memory out
 of bounds."""
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.ops.reference import paged_kv_cache as ref
+from mla_ops.ops.gather_pa_kv_cache import gather_sync_free
+from mla_ops.ops.scatter_pa_kv_cache import scatter_sync_free
+
 from utils import SMALL, paged_case, prolog_inputs, prolog_kwargs, rope_tables
 
 d = SMALL
@@ -86,6 +88,8 @@ SYNC_FREE_CASES = [
     ("kv_prolog", _prolog_args(kv_a_weight=torch.randn(d.L + d.R, d.H + 1)),
      r"kv_prolog: kv_a_weight in_features .* must equal the hidden size"),
     ("kv_prolog", _prolog_args(kv_norm_weight=torch.randn(d.L + d.R)), r"kv_prolog: kv_a_weight has .* output rows"),
+    ("kv_prolog", _prolog_args(kv_norm_weight=torch.randn(d.L + 1)),
+     rf"kv_prolog: kv_norm_weight has {d.L + 1} entries, .* leave kv_lora_rank = {d.L}"),
     ("kv_prolog", _prolog_args(kv_b_weight=torch.randn(d.N * (d.P + d.V) + 1, d.L)),
      r"kv_prolog: kv_b_weight rows must be num_heads \* \(qk_nope_head_dim \+ v_head_dim\)"),
     ("kv_prolog", _prolog_args(kv_b_weight=torch.randn(d.N * (d.P + d.V), d.L).half()),
@@ -118,9 +122,11 @@ SYNC_FREE_CASES = [
     ("scatter", _scatter_args(key=torch.randn(3, 8)), r"scatter_pa_kv_cache: key must be 3-D"),
     ("decode", _decode_args(key_cache=torch.randn(6, 4, 2, 8)), r"mla_decode_attention: key_cache heads .* must be 1"),
     ("decode", _decode_args(q_pe=torch.randn(2, 3, 5)), r"mla_decode_attention: value_cache dim .* must equal rope_dim"),
-    ("decode", _decode_args(seq_lens=torch.tensor([5])), r"mla_decode_attention: seq_lens length must equal the batch"),
+    ("decode", _decode_args(seq_lens=torch.tensor([5])),
+     r"mla_decode_attention: seq_lens length must equal the batch"),
     ("decode", _decode_args(q_pe=torch.randn(2, 3, 4).double()), r"mla_decode_attention: q_pe has dtype"),
-    ("decode", _decode_args(softmax_scale=float("nan")), r"mla_decode_attention: softmax_scale must be a finite positive"),
+    ("decode", _decode_args(softmax_scale=float("nan")),
+     r"mla_decode_attention: softmax_scale must be a finite positive"),
     ("decode", _decode_args(softmax_scale=0.0), r"mla_decode_attention: softmax_scale must be a finite positive"),
     ("decode", _decode_args(key_cache=torch.randn(0, 4, 1, 8), value_cache=torch.randn(0, 4, 1, 4)),
      r"mla_decode_attention: key_cache needs at least one block"),
@@ -206,7 +212,7 @@ def test_explicit_validation_helpers_check_values():
     args = _gather_args(block_tables=torch.tensor([[0, 1, 99, 3], [4, 5, 6, 7]], dtype=torch.int32))
     with pytest.raises(ValueError, match=re.escape("block_tables[0, 2] = 99")):
         mla_ops.gather_pa_kv_cache(args["key_cache"], args["value_cache"], args["block_tables"], args["seq_lens"],
-                                   seq_offset=args["seq_offset"], validate=True)
+                                   seq_offset=args["seq_offset"], is_seq_lens_cumsum=True, validate=True)
 
 
 def _guarded(shape, fill):
@@ -223,14 +229,14 @@ def test_device_paths_never_touch_memory_out_of_bounds():
     vbuf, value_cache = _guarded((4, 2, 1, 2), -5.0)
     key_cache.normal_(), value_cache.normal_()
     before = kbuf.clone(), vbuf.clone()
-    ref._scatter_sync_free(torch.randn(4, 1, 3), torch.randn(4, 1, 2), key_cache, value_cache,
+    scatter_sync_free(torch.randn(4, 1, 3), torch.randn(4, 1, 2), key_cache, value_cache,
                            torch.tensor([8, 10**6, -3, 2**40]))
     assert torch.equal(kbuf[:32], before[0][:32]) and torch.equal(kbuf[-32:], before[0][-32:])
     assert torch.equal(vbuf[:32], before[1][:32]) and torch.equal(vbuf[-32:], before[1][-32:])
     okbuf, key = _guarded((5, 1, 3), 9.0)
     ovbuf, value = _guarded((5, 1, 2), 9.0)
     tables = torch.tensor([[1, 77], [-9, 2]], dtype=torch.int32)
-    ref._gather_sync_free(key_cache, value_cache, tables, torch.tensor([4, 1]), key, value, torch.tensor([0, 2**30]),
+    gather_sync_free(key_cache, value_cache, tables, torch.tensor([4, 1]), key, value, torch.tensor([0, 2**30]),
                           False)
     assert (okbuf[:32] == 9).all() and (okbuf[-32:] == 9).all()
     assert (ovbuf[:32] == 9).all() and (ovbuf[-32:] == 9).all()

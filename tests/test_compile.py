@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import mla_ops  # noqa: F401
+
 from utils import SMALL, paged_case, prolog_inputs, prolog_kwargs, rope_tables
 
 

@@ -3,6 +3,8 @@ import pytest
 import torch
 
 import mla_ops
+from mla_ops.ops.decode_attention import decode_sync_free
+
 from utils import materialized_decode_reference, paged_case
 
 
@@ -72,7 +74,8 @@ def test_blocks_past_seq_len_are_ignored():
     assert torch.equal(mla_ops.mla_decode_attention(*args, softmax_scale=0.3), out)
 
 
-@pytest.mark.parametrize("lens", [[13], [16], [16, 16], [16, 9]], ids=["one-row", "one-full-row-unmasked", "two-full-rows", "ragged"])
+@pytest.mark.parametrize("lens", [[13], [16], [16, 16], [16, 9]],
+                         ids=["one-row", "one-full-row-unmasked", "two-full-rows", "ragged"])
 def test_contiguous_blocks_read_without_a_gather_give_the_same_result(lens):
     """Blocks laid out back to back (what a fresh allocator hands one sequence) are read through a
     view of the pool instead of a gather copy; the result must not depend on which path ran."""
@@ -101,16 +104,15 @@ def test_device_path_matches_the_cpu_path_and_zeroes_padding_rows():
     """The sync-free path other devices take (whole table width, clamped ids, always masked) run on
     CPU tensors: same result as the CPU path for real rows; a seq_len 0 padding row (a captured
     batch's filler) gives zeros instead of NaN; garbage ids past a row's length are never read."""
-    from mla_ops.ops.reference.decode_attention import _decode_sync_free
 
     q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _case(torch.float32, [6, 2, 9], block_size=4)
     expected = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
     tables = tables.clone()
     assert tables.shape[1] >= 3  # row 1 (2 tokens) uses only its first block
     tables[1, 1], tables[1, 2] = -7, 10**6
-    out = _decode_sync_free(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    out = decode_sync_free(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-    padded = _decode_sync_free(q_latent, q_pe, key_cache, value_cache, tables, torch.tensor([6, 0, 9]), 0.3)
+    padded = decode_sync_free(q_latent, q_pe, key_cache, value_cache, tables, torch.tensor([6, 0, 9]), 0.3)
     assert torch.equal(padded[1], torch.zeros_like(padded[1]))
     torch.testing.assert_close(padded[[0, 2]], expected[[0, 2]], rtol=1e-6, atol=1e-6)
 
@@ -119,7 +121,6 @@ def test_split_views_of_one_pool_are_read_in_place():
     """The caches may be two views of one [NB, bs, 1, L+R] pool (cache[..., :L], cache[..., L:]):
     non-contiguous, read without copying the pool; same result as contiguous copies, on both the
     CPU path and the device path."""
-    from mla_ops.ops.reference.decode_attention import _decode_sync_free
 
     q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _case(torch.float32, [5, 11], block_size=4)
     pool = torch.cat((key_cache, value_cache), -1)
@@ -128,7 +129,7 @@ def test_split_views_of_one_pool_are_read_in_place():
     expected = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.2)
     assert torch.equal(mla_ops.mla_decode_attention(q_latent, q_pe, latent_view, pe_view, tables, seq_lens, 0.2),
                        expected)
-    torch.testing.assert_close(_decode_sync_free(q_latent, q_pe, latent_view, pe_view, tables, seq_lens, 0.2),
+    torch.testing.assert_close(decode_sync_free(q_latent, q_pe, latent_view, pe_view, tables, seq_lens, 0.2),
                                expected, rtol=1e-6, atol=1e-6)
 
 

@@ -5,7 +5,8 @@ import torch
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
 import mla_ops
-from hf_models import lite_attn_config, tiny_config
+
+from models import lite_attn_config, tiny_config
 
 DTYPES = [torch.float32, torch.bfloat16]
 dtype_ids = ["fp32", "bf16"]

@@ -7,8 +7,9 @@ from transformers import CompileConfig, StaticCache
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
 import mla_ops
-from mla_ops.model_patches import deepseek_v2 as patch
-from hf_models import build_model, lite_attn_config, tiny_config
+from mla_ops.integrations import transformers as patch
+
+from models import build_model, lite_attn_config, tiny_config
 
 CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -3,9 +3,10 @@ written from that file's published structure (tests/remote_deepseek_v2.py)."""
 import pytest
 import torch
 
-from mla_ops.model_patches import deepseek_v2 as patch
-from hf_models import lite_attn_config, tiny_config
+from mla_ops.integrations import transformers as patch
+
 import remote_deepseek_v2 as remote
+from models import lite_attn_config, tiny_config
 
 
 @pytest.fixture(autouse=True)

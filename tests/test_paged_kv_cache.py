@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mla_ops
-from mla_ops.ops.reference import paged_kv_cache as ref
+from mla_ops.ops.gather_pa_kv_cache import gather_sync_free
+from mla_ops.ops.scatter_pa_kv_cache import scatter_sync_free
+
 from utils import gather_loop_reference, paged_case, scatter_loop_reference
 
 # The seed's network sweep: Q=4 with these totals, and Q=3 with 44 tokens.
@@ -62,7 +64,8 @@ def test_gather_seed_sweep_levels(network_caches, num_seqs, total, cumsum_mode):
                                      is_seq_lens_cumsum=cumsum_mode)
     assert torch.equal(bits(key), bits(exp_key)) and torch.equal(bits(value), bits(exp_value))
     # the allocating helper and the functional twin agree
-    k2, v2 = mla_ops.gather_pa_kv_cache(key_cache, value_cache, tables, cumsum, seq_offset=offsets)
+    k2, v2 = mla_ops.gather_pa_kv_cache(key_cache, value_cache, tables, cumsum, seq_offset=offsets,
+                                    is_seq_lens_cumsum=True)
     assert torch.equal(bits(k2), bits(exp_key[:total])) and torch.equal(bits(v2), bits(exp_value[:total]))
 
 
@@ -141,7 +144,7 @@ def test_gather_property_random_tables(data):
     assert torch.equal(out_key, exp[0]) and torch.equal(out_value, exp[1])
     # the device (sync-free) path computes the same thing
     dev_key, dev_value = key.clone(), value.clone()
-    ref._gather_sync_free(key_cache, value_cache, tables, seq_lens, dev_key, dev_value, offs, cumsum_mode)
+    gather_sync_free(key_cache, value_cache, tables, seq_lens, dev_key, dev_value, offs, cumsum_mode)
     assert torch.equal(dev_key, exp[0]) and torch.equal(dev_value, exp[1])
 
 
@@ -155,14 +158,14 @@ def test_scatter_against_loop_with_padding(dtype):
     dev = key_cache.clone(), value_cache.clone()
     torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, exp[0]) and torch.equal(value_cache, exp[1])
-    ref._scatter_sync_free(key, value, *dev, slots)
+    scatter_sync_free(key, value, *dev, slots)
     assert torch.equal(dev[0], exp[0]) and torch.equal(dev[1], exp[1])
 
 
-def test_scatter_sync_free_all_padding_writes_nothing():
+def testscatter_sync_free_all_padding_writes_nothing():
     key_cache, value_cache = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 2)
     before = key_cache.clone(), value_cache.clone()
-    ref._scatter_sync_free(torch.randn(3, 1, 8), torch.randn(3, 1, 2), key_cache, value_cache,
+    scatter_sync_free(torch.randn(3, 1, 8), torch.randn(3, 1, 2), key_cache, value_cache,
                            torch.tensor([-1, -1, 99]))  # 99 is out of range: skipped, never written
     assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
 
@@ -187,13 +190,13 @@ def test_scatter_then_gather_round_trip(lens, block_size, seed):
     key_cache, value_cache = torch.zeros(num_blocks, block_size, 1, 6), torch.zeros(num_blocks, block_size, 1, 3)
     mla_ops.scatter_pa_kv_cache(key, value, key_cache, value_cache, torch.tensor(slots, dtype=torch.int64))
     seq_lens = torch.tensor([0] + torch.cumsum(torch.tensor(lens), 0).tolist(), dtype=torch.int32)
-    out_key, out_value = mla_ops.gather_pa_kv_cache(key_cache, value_cache, tables, seq_lens)
+    out_key, out_value = mla_ops.gather_pa_kv_cache(key_cache, value_cache, tables, seq_lens, is_seq_lens_cumsum=True)
     assert torch.equal(out_key, key) and torch.equal(out_value, value)
 
 
 @pytest.mark.parametrize("fn,argnames", [
-    (ref._gather_sync_free, "gather"),
-    (ref._scatter_sync_free, "scatter"),
+    (gather_sync_free, "gather"),
+    (scatter_sync_free, "scatter"),
 ])
 def test_device_paths_are_sync_free(fn, argnames):
     """Trace the device code paths with fake tensors: any host sync (.item(), bool(), int() of a
@@ -283,7 +286,6 @@ LAYOUTS = ["contiguous", "misaligned", "split-view", "uneven-blocks"]
 def test_gather_any_cache_and_output_layout(layout, path):
     """Results never depend on strides or storage offsets, on either path, and a strided cache is
     read in place (the pool is not modified)."""
-    from mla_ops.ops.reference.paged_kv_cache import _gather_sync_free
 
     key_cache, value_cache, tables, cumsum, _ = paged_case(12, 4, [8, 5, 9], key_shape=(1, 6), value_shape=(1, 2))
     key, value = torch.zeros(22, 1, 6, dtype=torch.bfloat16), torch.zeros(22, 1, 2, dtype=torch.bfloat16)
@@ -292,7 +294,7 @@ def test_gather_any_cache_and_output_layout(layout, path):
     if path == "cpu":
         torch.ops.mla.gather_pa_kv_cache(kc, vc, tables, cumsum, k, v, is_seq_lens_cumsum=True)
     else:
-        _gather_sync_free(kc, vc, tables, cumsum, k, v, None, True)
+        gather_sync_free(kc, vc, tables, cumsum, k, v, None, True)
     assert torch.equal(k, expected[0]) and torch.equal(v, expected[1])
     assert torch.equal(kc, key_cache) and torch.equal(vc, value_cache)
 
@@ -302,7 +304,6 @@ def test_gather_any_cache_and_output_layout(layout, path):
 def test_scatter_any_cache_and_source_layout(layout, path):
     """Writes land in the caller's tensors whatever their layout (a split view writes into its pool),
     with whole-block runs, a partial block and padding in one slot mapping."""
-    from mla_ops.ops.reference.paged_kv_cache import _scatter_sync_free
 
     g = torch.Generator().manual_seed(4)
     key_cache = torch.randn(10, 4, 1, 6, generator=g).to(torch.bfloat16)
@@ -315,5 +316,5 @@ def test_scatter_any_cache_and_source_layout(layout, path):
     if path == "cpu":
         mla_ops.scatter_pa_kv_cache(k, v, kc, vc, slots)
     else:
-        _scatter_sync_free(k, v, kc, vc, slots)
+        scatter_sync_free(k, v, kc, vc, slots)
     assert torch.equal(kc, expected[0]) and torch.equal(vc, expected[1])

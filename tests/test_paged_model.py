@@ -1,13 +1,14 @@
 """`apply(model, cache="paged")`: the paged latent cache + absorbed decode against stock transformers."""
 import pytest
 import torch
+from test_model_patch import MlaCalls, _prompt
 from transformers import CompileConfig, DynamicCache
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
-from mla_ops.model_patches import deepseek_v2 as patch
-from mla_ops.model_patches.paged import MLAPagedCache
-from hf_models import build_model, lite_attn_config, tiny_config
-from test_model_patch import MlaCalls, _prompt
+from mla_ops.integrations import transformers as patch
+from mla_ops.integrations.transformers import MLAPagedCache
+
+from models import build_model, lite_attn_config, tiny_config
 
 CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
 STOCK_MODEL_FORWARD = hf.DeepseekV2Model.forward

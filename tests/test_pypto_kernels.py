@@ -1,18 +1,17 @@
 """PyPTO kernels of mla_ops (stage 2 of kv_prolog, paged gather, paged scatter) run functionally on
-the CPU through pypto 0.2.0's SIM mode with pass verification (mla_ops.ops.pypto.sim).
+the CPU through pypto 0.2.0's SIM mode with pass verification (mla_ops.pypto_runtime).
 
 Each kernel call compiles, interprets the tensor graph and six compiler passes on the CPU, compares
 them (and the outputs against the goldens given to pypto's verifier), and runs the Ascend 910B2 cost
 model: about 1 s per call, 25 s for the [64,128,64,128] caches. Tests that run kernels are marked
 ``pypto``; they are skipped only when pypto 0.2.0 is not installed (the reason says so).
 
-Goldens come from the registered reference kernels (``torch.ops.mla.*`` on CPU, and the reference
-module's stage-2 projection ``expand_latent``, via ``bench.stage2_golden``), and for the paged ops
-also from a plain Python loop over ARCHITECTURE §3.5.
+Goldens come from the reference kernels (``torch.ops.mla.*`` on CPU, and the kv_prolog module's
+stage-2 pieces via ``npu_sim.stage2_reference``), and for the paged ops also from a plain Python
+loop over the gather semantics (``utils.gather_loop_reference``).
 """
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +20,13 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.ops import pypto as pto
-from mla_ops.ops.pypto import bench, sim
-from mla_ops.ops.reference.kv_prolog import latent_stage
+from mla_ops import pypto_runtime as sim
+from mla_ops.bench import npu_sim as bench
+from mla_ops.ops.kv_prolog import latent_stage
 
-REASONS = pto.unavailable_reasons()
+from utils import gather_loop_reference
+
+REASONS = sim.unsupported_reasons()
 needs_pypto = pytest.mark.skipif(bool(REASONS), reason="; ".join(REASONS) or "pypto 0.2.0 available")
 
 V2_LITE = dict(num_heads=16, qk_nope_head_dim=128, v_head_dim=128)
@@ -35,8 +36,10 @@ SMALL = dict(num_heads=4, qk_nope_head_dim=32, v_head_dim=32)
 @pytest.fixture(scope="session")
 def pypto_sim():
     """Apply the CPU-verify fix and load the cached calculator once (the first build is 20-45 s)."""
+    from mla_ops.pypto_runtime.calculator import load_calculator
+
     sim.ensure_supported()
-    sim.load_calculator()
+    load_calculator()
     return sim
 
 
@@ -57,12 +60,12 @@ def check_stage2(outputs, goldens, result, inputs, dims=V2_LITE):
 
 
 def run_stage2(tokens, *, rope_layout, dtype=torch.bfloat16, dims=V2_LITE, seed=0, config=None):
-    from mla_ops.ops.pypto import kv_prolog_stage2 as s2
+    from mla_ops.kernels.pypto import kv_prolog_stage2 as s2
     lora = 512 if dims is V2_LITE else 32
     rope = 64 if dims is V2_LITE else 16
     inputs = bench.make_stage2_inputs(tokens, dtype=dtype, kv_lora_rank=lora, rope_dim=rope, seed=seed,
                                       **dims)
-    goldens = bench.stage2_golden(**inputs, rope_layout=rope_layout, **dims)
+    goldens = bench.stage2_reference(**inputs, rope_layout=rope_layout, **dims)
     outputs, result = s2._run(**inputs, **dims, rope_layout=rope_layout, goldens=goldens,
                               config=config or s2.DEFAULT_STAGE2_CONFIG)
     return outputs, goldens, result, inputs
@@ -104,7 +107,7 @@ def test_stage2_small_dims(pypto_sim, rope_layout):
 @needs_pypto
 def test_stage2_permutation_matmul_fallback(pypto_sim, rope_layout):
     """rope_impl="permute" (exact 0/1 permutation matmuls instead of strided pair views)."""
-    from mla_ops.ops.pypto.kv_prolog_stage2 import Stage2Config
+    from mla_ops.kernels.pypto.kv_prolog_stage2 import Stage2Config
     outputs, goldens, result, inputs = run_stage2(21, rope_layout=rope_layout, dims=SMALL,
                                                   config=Stage2Config("permute", rope_impl="permute"))
     check_stage2(outputs, goldens, result, inputs, dims=SMALL)
@@ -125,7 +128,7 @@ def test_stage2_layouts_differ_only_in_rope_order(pypto_sim):
 def test_stage2_batched_prefill_matches_kv_prolog(pypto_sim):
     """End to end against torch.ops.mla.kv_prolog with B=2, S=3: stage 1 by the reference, stage 2 by
     the kernel on the flattened B*S tokens, then [B*S, N, D] -> [B, N, S, D] by view + transpose."""
-    from mla_ops.ops.pypto import kv_prolog_stage2 as s2
+    from mla_ops.kernels.pypto import kv_prolog_stage2 as s2
     g = torch.Generator().manual_seed(3)
     B, S, H, L, R = 2, 3, 64, 512, 64
     hidden = torch.randn(B, S, H, generator=g).bfloat16()
@@ -157,7 +160,7 @@ def test_stage2_simulated_time_is_deterministic(pypto_sim):
 
 @needs_pypto
 def test_stage2_zero_tokens_runs_nothing():
-    from mla_ops.ops.pypto import kv_prolog_stage2 as s2
+    from mla_ops.kernels.pypto import kv_prolog_stage2 as s2
     inputs = bench.make_stage2_inputs(0)
     outputs, result = s2._run(**inputs, **V2_LITE)
     assert result is None and [tuple(o.shape) for o in outputs] == [(0, 16, 128), (0, 16, 128), (0, 64)]
@@ -165,7 +168,7 @@ def test_stage2_zero_tokens_runs_nothing():
 
 def test_stage2_rejects_unsupported_inputs():
     """Clear ValueErrors naming the argument, before pypto is involved."""
-    from mla_ops.ops.pypto import kv_prolog_stage2 as s2
+    from mla_ops.kernels.pypto import kv_prolog_stage2 as s2
     good = bench.make_stage2_inputs(2, **SMALL, kv_lora_rank=32, rope_dim=16)
     cases = {
         "normed_ckv dtype must be float16 or bfloat16": dict(good, normed_ckv=good["normed_ckv"].float()),
@@ -203,8 +206,8 @@ def reference_gather(inputs):
 
 
 def run_gather(inputs, **kwargs):
-    from mla_ops.ops.pypto import gather_pa_kv_cache as gpa
-    loop_golden = bench.gather_golden(**inputs)
+    from mla_ops.kernels.pypto import gather_pa_kv_cache as gpa
+    loop_golden = gather_loop_reference(**inputs)
     ref_golden = reference_gather(inputs)
     assert torch.equal(loop_golden[0], ref_golden[0]) and torch.equal(loop_golden[1], ref_golden[1])
     sentinel = inputs["key"][-1].clone(), inputs["value"][-1].clone()
@@ -223,9 +226,9 @@ def run_gather(inputs, **kwargs):
 @pytest.mark.pypto
 @needs_pypto
 def test_gather_seed_sweep_levels(pypto_sim, case):
-    """The seed's ten network levels: key_cache [*,128,1,512], value_cache [*,128,1,64], bf16,
+    """The original sample's ten network levels: key_cache [*,128,1,512], value_cache [*,128,1,64], bf16,
     block_tables [Q,8] int32, cumsum seq_lens, seq_offset with nonzero block multiples
-    (num_blocks=64 instead of 5513: see mla_ops.ops.pypto.bench)."""
+    (num_blocks=64 instead of 5513: see mla_ops.bench.npu_sim)."""
     assert case.offsets is not None and any(case.offsets)
     result = run_gather(bench.make_gather_inputs(case))
     assert result.kernel == "gather_pa_kv_cache[default]"
@@ -277,7 +280,7 @@ def test_gather_clamps_bad_values_instead_of_reading_out_of_bounds(pypto_sim):
     """Values the caller should have rejected: the kernel stays in bounds by clamping (documented,
     wrong-but-defined data): block id 999 -> the last block, a table offset past the last column ->
     the last column, a sequence running past the output -> cut at the output's end."""
-    from mla_ops.ops.pypto import gather_pa_kv_cache as gpa
+    from mla_ops.kernels.pypto import gather_pa_kv_cache as gpa
     g = torch.Generator().manual_seed(11)
     key_cache = torch.randn(4, 16, 1, 32, generator=g).bfloat16()
     value_cache = torch.randn(4, 16, 1, 16, generator=g).bfloat16()
@@ -295,7 +298,7 @@ def test_gather_clamps_bad_values_instead_of_reading_out_of_bounds(pypto_sim):
 
 
 def test_select_gather_tile_config():
-    from mla_ops.ops.pypto import gather_pa_kv_cache as gpa
+    from mla_ops.kernels.pypto import gather_pa_kv_cache as gpa
     select = gpa.select_gather_tile_config
     assert select(1, 512, 1, 64).name == "default"
     assert select(1, 128, 1, 64) == gpa.GatherTileConfig("default", 16, 32)
@@ -313,37 +316,47 @@ def test_select_gather_tile_config():
         gpa.DEFAULT_GATHER_TILE.key_tile_tokens = 4
 
 
-def test_gather_rejects_unsupported_inputs():
-    from mla_ops.ops.pypto import gather_pa_kv_cache as gpa
+def test_gather_kernel_checks_metadata_with_the_ops_own_check():
+    """Shapes and dtypes are the op's contract: the kernel runs the op's check, same message."""
+    from mla_ops.kernels.pypto import gather_pa_kv_cache as gpa
     inputs = bench.make_gather_inputs(TAIL_CASE)
     bad = dict(inputs, seq_lens=inputs["seq_lens"][:-1])
-    with pytest.raises(ValueError, match=r"seq_lens must have 6 entries \(cumsum \[Q\+1\]"):
-        gpa.gather_pa_kv_cache(**bad)
-    bad = dict(inputs, key=inputs["key"][:, :1].contiguous())
-    with pytest.raises(ValueError, match=r"key.shape\[1:\]"):
+    with pytest.raises(RuntimeError, match=r"mla.gather_pa_kv_cache: seq_lens must have num_seqs \+ 1 entries"):
         gpa.gather_pa_kv_cache(**bad)
     bad = dict(inputs, block_tables=inputs["block_tables"].float())
-    with pytest.raises(ValueError, match="block_tables dtype must be int32 or int64"):
-        gpa.gather_pa_kv_cache(**bad)
-    bad = dict(inputs, value_cache=inputs["value_cache"][:-1].contiguous())
-    with pytest.raises(ValueError, match=r"key_cache and value_cache must share \[num_blocks, block_size\]"):
+    with pytest.raises(RuntimeError, match="mla.gather_pa_kv_cache: block_tables must be an int32 or int64"):
         gpa.gather_pa_kv_cache(**bad)
 
 
-def test_scatter_rejects_unsupported_inputs():
-    from mla_ops.ops.pypto import scatter_pa_kv_cache as spa
+def test_gather_kernel_reasons_are_only_what_the_kernel_adds():
+    from mla_ops.kernels.pypto import gather_pa_kv_cache as gpa
+    inputs = bench.make_gather_inputs(TAIL_CASE)
+    assert gpa.gather_pa_kv_cache_not_supported_reasons(**inputs) == list(REASONS)
+    wide = inputs["key_cache"].new_zeros(*inputs["key_cache"].shape[:3], 2 * inputs["key_cache"].shape[3])
+    strided = dict(inputs, key_cache=wide[..., ::2])
+    assert any("key_cache must be contiguous" in r for r in gpa.gather_pa_kv_cache_not_supported_reasons(**strided))
+    doubles = {k: (v.double() if k in ("key_cache", "value_cache", "key", "value") else v) for k, v in inputs.items()}
+    assert any("dtype must be bfloat16, float16 or float32" in r
+               for r in gpa.gather_pa_kv_cache_not_supported_reasons(**doubles))
+    with pytest.raises(ValueError, match="key_cache must be contiguous"):
+        gpa.gather_pa_kv_cache(**strided)
+
+
+def test_scatter_kernel_checks_metadata_with_the_ops_own_check():
+    from mla_ops.kernels.pypto import scatter_pa_kv_cache as spa
     inputs = scatter_inputs(5)
     cases = {
-        r"value.shape\[1:\] \[1, 16\] must equal value_cache.shape\[2:\] \[1, 32\]":
+        r"mla.scatter_pa_kv_cache: value head dim \(dim 2\) must equal value_cache.shape\[3\]":
             dict(inputs, value=inputs["value"][..., :16].contiguous()),
-        r"key_cache and value_cache must share": dict(inputs, key_cache=inputs["key_cache"][:-1].contiguous()),
-        r"same number of tokens, got 5, 5 and 4": dict(inputs, slot_mapping=inputs["slot_mapping"][:4]),
-        "slot_mapping dtype must be int32 or int64": dict(inputs, slot_mapping=inputs["slot_mapping"].float()),
+        r"mla.scatter_pa_kv_cache: value_cache num_blocks":
+            dict(inputs, key_cache=inputs["key_cache"][:-1].contiguous()),
+        r"mla.scatter_pa_kv_cache: slot_mapping length must equal":
+            dict(inputs, slot_mapping=inputs["slot_mapping"][:4]),
+        r"mla.scatter_pa_kv_cache: slot_mapping must be an int32 or int64": dict(
+            inputs, slot_mapping=inputs["slot_mapping"].float()),
     }
     for pattern, bad in cases.items():
-        reasons = spa.scatter_pa_kv_cache_not_supported_reasons(**bad)
-        assert any(re.search(pattern, r) for r in reasons), (pattern, reasons)
-        with pytest.raises(ValueError, match=pattern):
+        with pytest.raises(RuntimeError, match=pattern):
             spa.scatter_pa_kv_cache(**bad)
 
 
@@ -376,7 +389,7 @@ def scatter_inputs(tokens, *, num_blocks=6, block_size=16, key_hd=(1, 128), valu
 @pytest.mark.pypto
 @needs_pypto
 def test_scatter_matches_reference_and_skips_padding(pypto_sim, slot_dtype):
-    from mla_ops.ops.pypto import scatter_pa_kv_cache as spa
+    from mla_ops.kernels.pypto import scatter_pa_kv_cache as spa
     inputs = scatter_inputs(9, seed=int(slot_dtype == torch.int64))
     inputs["slot_mapping"][[1, 4, 8]] = -1                           # padding tokens
     inputs["slot_mapping"] = inputs["slot_mapping"].to(slot_dtype)
@@ -399,7 +412,7 @@ def test_scatter_matches_reference_and_skips_padding(pypto_sim, slot_dtype):
 def test_scatter_all_padding_and_out_of_range_slots_write_nothing(pypto_sim):
     """Negative slots are padding; slots >= num_blocks*block_size are caller errors the kernel
     skips rather than writing out of bounds."""
-    from mla_ops.ops.pypto import scatter_pa_kv_cache as spa
+    from mla_ops.kernels.pypto import scatter_pa_kv_cache as spa
     inputs = scatter_inputs(4, num_blocks=2, block_size=16, key_hd=(2, 16), value_hd=(2, 16),
                             dtype=torch.float16)
     inputs["slot_mapping"] = torch.tensor([-1, 32, -7, 1000], dtype=torch.int32)
@@ -413,27 +426,49 @@ def test_scatter_all_padding_and_out_of_range_slots_write_nothing(pypto_sim):
 # the harness
 # ----------------------------------------------------------------------------------------------
 def test_version_guard_refuses_other_pypto(monkeypatch):
-    monkeypatch.setattr(sim, "installed_pypto_version", lambda: "0.3.0")
-    with pytest.raises(RuntimeError, match=r"pypto 0\.3\.0 is installed.*exactly pypto 0\.2\.0"):
-        sim.ensure_supported()
-    assert not pto.is_available()
-    assert "pypto 0.3.0" in pto.unavailable_reasons()[0]
-    monkeypatch.setattr(sim, "installed_pypto_version", lambda: None)
-    with pytest.raises(RuntimeError, match=r"pypto 0\.2\.0 not installed"):
-        sim.ensure_supported()
+    from mla_ops.pypto_runtime import compat
+
+    try:
+        monkeypatch.setattr(compat, "installed_pypto_version", lambda: "0.3.0")
+        compat.unsupported_reasons.cache_clear()
+        with pytest.raises(RuntimeError, match=r"pypto 0\.3\.0 is installed.*exactly pypto 0\.2\.0"):
+            sim.ensure_supported()
+        assert "pypto 0.3.0" in compat.unsupported_reasons()[0]
+        monkeypatch.setattr(compat, "installed_pypto_version", lambda: None)
+        compat.unsupported_reasons.cache_clear()
+        with pytest.raises(RuntimeError, match=r"pypto 0\.2\.0 not installed"):
+            sim.ensure_supported()
+    finally:
+        monkeypatch.undo()
+        compat.unsupported_reasons.cache_clear()
+
+
+def test_the_version_check_is_not_paid_per_call():
+    """The reasons are consulted on every kernel call's "can this run" check; reading package
+    metadata costs about half a millisecond, so the answer is computed once."""
+    from mla_ops.pypto_runtime import compat
+
+    compat.unsupported_reasons()
+    before = compat.installed_pypto_version.cache_info().misses
+    for _ in range(5):
+        compat.unsupported_reasons()
+    assert compat.installed_pypto_version.cache_info().misses == before
 
 
 def test_importing_the_package_does_not_import_pypto():
-    code = ("import sys, mla_ops, mla_ops.ops.pypto as p; p.is_available(); "
-            "p.select_gather_tile_config(1, 512, 1, 64); from mla_ops.ops.pypto import bench; "
+    code = ("import sys, mla_ops, mla_ops.pypto_runtime as rt; rt.unsupported_reasons(); "
+            "from mla_ops.kernels.pypto import gather_pa_kv_cache as g; g.select_gather_tile_config(1, 512, 1, 64); "
+            "from mla_ops.bench import npu_sim; "
             "assert 'pypto' not in sys.modules, 'pypto imported'")
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
 def test_calculator_cache_location(monkeypatch, tmp_path):
+    from mla_ops.pypto_runtime.calculator import _calculator_cache_dir
+
     monkeypatch.setenv("MLA_OPS_PYPTO_CACHE", str(tmp_path))
-    path = sim._calculator_cache_dir()
+    path = _calculator_cache_dir()
     assert path.parent == tmp_path
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     assert path.name == f"{sim.installed_pypto_version()}-{torch.__version__}-abi{abi}"
@@ -462,26 +497,28 @@ def test_parse_verify_lines():
 def test_failed_verdict_raises_and_restores_cwd(pypto_sim, tmp_path, monkeypatch):
     """A wrong golden is a FAILED tensor_graph verdict -> SimVerificationError; the cwd is restored
     and pypto's working directory removed."""
-    from mla_ops.ops.pypto import gather_pa_kv_cache as gpa
+    from mla_ops.kernels.pypto import gather_pa_kv_cache as gpa
     monkeypatch.chdir(tmp_path)
     case = bench.GatherCase("small", lengths=(3,), offsets=None, num_blocks=2, block_size=16,
                             key_hd=(1, 16), value_hd=(1, 16))
     inputs = bench.make_gather_inputs(case)
-    wrong = [g + 1 for g in bench.gather_golden(**inputs)]
+    wrong = [g + 1 for g in gather_loop_reference(**inputs)]
     with pytest.raises(sim.SimVerificationError, match=r"reported \d+ FAILED verdict"):
         gpa._run(**inputs, goldens=wrong)
     assert Path.cwd() == tmp_path and list(tmp_path.iterdir()) == []
     result = sim.last_result()
     assert result.failed and result.work_dir is None
-    assert torch.equal(inputs["key"], bench.gather_golden(**bench.make_gather_inputs(case))[0])
+    assert torch.equal(inputs["key"], gather_loop_reference(**bench.make_gather_inputs(case))[0])
 
 
 @pytest.mark.pypto
 @needs_pypto
 def test_missing_plog_is_an_error(pypto_sim, tmp_path, monkeypatch):
     """If the plog is not where the harness looks, a run must not pass as 'verified'."""
-    from mla_ops.ops.pypto import gather_pa_kv_cache as gpa
-    monkeypatch.setattr(sim, "plog_root", lambda: tmp_path)
+    from mla_ops.kernels.pypto import gather_pa_kv_cache as gpa
+    from mla_ops.pypto_runtime import compat
+
+    monkeypatch.setattr(compat, "plog_root", lambda: tmp_path)
     case = bench.GatherCase("small", lengths=(2,), offsets=None, num_blocks=2, block_size=16,
                             key_hd=(1, 16), value_hd=(1, 16))
     with pytest.raises(RuntimeError, match="nothing was logged to this process's pypto plog"):
@@ -493,7 +530,7 @@ def test_missing_plog_is_an_error(pypto_sim, tmp_path, monkeypatch):
 def test_keep_output_keeps_the_working_directory(pypto_sim, monkeypatch):
     import shutil
 
-    from mla_ops.ops.pypto import gather_pa_kv_cache as gpa
+    from mla_ops.kernels.pypto import gather_pa_kv_cache as gpa
     monkeypatch.setenv("MLA_OPS_PYPTO_KEEP_OUTPUT", "1")
     case = bench.GatherCase("small", lengths=(2,), offsets=None, num_blocks=2, block_size=16,
                             key_hd=(1, 16), value_hd=(1, 16))
@@ -522,7 +559,7 @@ def test_compare_to_record_flags_growth_and_missing_rows():
 @needs_pypto
 def test_simulated_time_has_not_regressed(pypto_sim):
     """Re-measure a quick subset; fail when a kernel's simulated time grew >10% over
-    benchmarks/results/npu_sim.json (re-record with `python -m mla_ops.ops.pypto.bench --record`
+    benchmarks/results/npu_sim.json (re-record with `mla-ops bench npu-sim --record`
     after an intended change)."""
     record = bench.load_record()
     rows = bench.measure(quick=True)

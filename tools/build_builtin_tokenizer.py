@@ -7,9 +7,9 @@ on the Python version it runs on; rerun this only to change the tokenizer:
 
     .venv/bin/python tools/build_builtin_tokenizer.py
 """
+import importlib
 import pathlib
 import pkgutil
-import importlib
 import sys
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

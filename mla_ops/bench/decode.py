@@ -18,9 +18,11 @@ import os
 import torch
 
 import mla_ops  # noqa: F401
-from ..configs import build_model, lite_attn_config
-from ..model_patches import deepseek_v2 as patch
-from ..model_patches.paged import MLAPagedCache, cache_bytes_per_token_per_layer
+
+from ..integrations.transformers import apply
+from ..integrations.transformers.paged_attention import absorbed_decode_step
+from ..integrations.transformers.paged_cache import MLAPagedCache, cache_bytes_per_token_per_layer
+from ..models import build_model, lite_attn_config
 from .timing import interleaved_medians, median_ratio
 
 CONTEXTS = (512, 2048, 4096, 8192)
@@ -54,7 +56,7 @@ def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, m
     config = lite_attn_config()
     stock = build_model(config, dtype, "sdpa", seed=seed)
     dense, paged = copy.deepcopy(stock), copy.deepcopy(stock)
-    handles = [patch.apply(dense), patch.apply(paged, cache="paged")]
+    handles = [apply(dense), apply(paged, cache="paged")]
     g = torch.Generator().manual_seed(seed)
     heads = config.num_attention_heads
     rows = []
@@ -95,12 +97,10 @@ def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, m
 def measure_attention_step(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=5, min_run_time=0.2,
                            block_size=64, seed=0) -> list[dict]:
     """One attention layer's decode step, from (q_nope, rotated q_pe, cache) to [B, N, V]."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
-
     from types import SimpleNamespace
 
-    from ..model_patches.paged import _decode_absorbed
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
     config = lite_attn_config()
     torch.manual_seed(seed)
@@ -132,7 +132,7 @@ def measure_attention_step(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=5,
 
         def absorbed():
             with torch.no_grad():
-                return _decode_absorbed(attn, layer, plan, q_nope, q_pe)  # the paged mode's own decode step
+                return absorbed_decode_step(attn, layer, plan, q_nope, q_pe)  # the paged mode's own decode step
 
         results = interleaved_medians({"stock": stock, "absorbed": absorbed}, rounds=rounds,
                                       min_run_time=min_run_time)

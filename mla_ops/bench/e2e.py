@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from ..cli.runtime import synchronize
-from ..model_patches import deepseek_v2
+from ..integrations.transformers import apply
+from .timing import synchronize
 
 PROMPT_LENGTHS = (32, 512, 2048)
 OUTPUT_LENGTHS = (10, 20, 50, 100)
@@ -49,7 +49,7 @@ def measure(model, tokenizer, *, prompt_lengths=PROMPT_LENGTHS, output_lengths=O
     extra = dict(generate_kwargs or {})
 
     def run(ids, new_tokens, patched: bool) -> float:
-        handle = deepseek_v2.apply(model, **fused) if patched else None
+        handle = apply(model, **fused) if patched else None
         try:
             with torch.no_grad():
                 start = time.perf_counter()

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import mla_ops  # noqa: F401
-from ..configs import lite_attn_config
+
+from ..models import lite_attn_config
 from .timing import interleaved_medians, median_ratio
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import mla_ops  # noqa: F401  (registers torch.ops.mla)
+
 from .timing import interleaved_medians, median_ratio
 
 

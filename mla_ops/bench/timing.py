@@ -13,6 +13,14 @@ import torch
 import torch.utils.benchmark as tbench
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so wall-clock timings include it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+
+
 def interleaved_medians(variants: dict[str, Callable[[], object]], *, rounds: int = 5,
                         min_run_time: float = 0.2) -> dict[str, dict[str, float]]:
     """-> {name: {"median_s": ..., "times": [...]}}; each round times every variant once."""

@@ -124,8 +124,8 @@ def run(args) -> dict:
     prompt = read_prompt(args)
     device = resolve_device(args.device)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[mla-ops] {msg}", flush=True))
+    from ..integrations.transformers import apply, modeling
     from . import loading
-    from ..model_patches import deepseek_v2
 
     memory = PeakMemory(device)
     memory.reset()
@@ -142,15 +142,15 @@ def run(args) -> dict:
                    cache=args.cache)  # _validate refused --cache paged without --use_kv_fusion
     handle = None
     if args.use_kv_fusion or args.use_pto or args.use_rope:
-        handle = deepseek_v2.apply(model, **options)
+        handle = apply(model, **options)
         say(f"routed through torch.ops.mla: {', '.join(k for k in ('kv_prolog', 'rms_norm', 'rope') if options[k])}"
             + (f" (cache={options['cache']})" if args.use_kv_fusion else ""))
         if device.type == "npu" and options["cache"] == "dense" and args.use_kv_fusion:
             # (the paged mode calls latent_kv_prolog, which has no NPU kernel to compile)
-            from ..ops import npu
+            from ..backends import npu
 
             say(f"compiling the NPU kv_prolog kernels for {npu.warmup_token_counts()} tokens")
-            remote = any(deepseek_v2.is_remote_attention(m) for m in model.modules())
+            remote = any(modeling.is_remote_attention(m) for m in model.modules())
             npu.warmup(model, rope_layout="half" if remote else "interleaved")
     else:
         say("baseline: the stock transformers model (no mla op)")

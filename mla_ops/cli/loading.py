@@ -38,7 +38,7 @@ def builtin_tokenizer():
 
 def builtin_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sdpa", seed: int = 0, layers: int = 2):
     """The built-in DeepSeek-V2 (V2-Lite attention dims, random weights) sized to the built-in tokenizer."""
-    from ..configs import build_model, lite_attn_config
+    from ..models import build_model, lite_attn_config
 
     tokenizer = builtin_tokenizer()
     config = lite_attn_config(vocab_size=len(tokenizer), num_hidden_layers=layers,

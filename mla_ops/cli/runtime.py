@@ -9,6 +9,7 @@ from typing import Iterator, Optional
 import torch
 
 from .._optional import has_module
+from ..bench.timing import synchronize
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -61,13 +62,6 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Optional[to
     if device.type == "cpu" and not torch.backends.mkldnn.is_available():
         return torch.float32
     return torch.bfloat16
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize(device)
 
 
 class PeakMemory:

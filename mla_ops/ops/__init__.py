@@ -1,3 +1,17 @@
-"""Op implementations: `reference/` (torch), `pypto/` (PyPTO kernels + CPU simulation), `npu/`
-(Ascend dispatch). The modules directly in this package are the typed public wrappers, one per op
-family, re-exported by `mla_ops`."""
+"""The `mla::` operators, one module per op (or per pair of twin ops).
+
+Each module holds everything that makes its operator, in this order: the metadata check (shared by
+the fake and every eager kernel), the fake kernel, the reference kernel (torch ops, any device: the
+ground truth, and the CPU kernel when no native one is built), the autograd formula if the op has
+one, the `define_op(...)` record that registers all of it, and the typed public wrapper.
+Importing this package defines every op.
+"""
+from .decode_attention import mla_decode_attention
+from .gather_pa_kv_cache import gather_pa_kv_cache, gather_pa_kv_cache_into
+from .kv_prolog import kv_prolog, latent_kv_prolog
+from .rms_norm import rms_norm
+from .rope import rope
+from .scatter_pa_kv_cache import scatter_pa_kv_cache
+
+__all__ = ["rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "scatter_pa_kv_cache", "gather_pa_kv_cache",
+           "gather_pa_kv_cache_into", "mla_decode_attention"]

@@ -1,0 +1,240 @@
+"""Backends: which kernel serves each `mla::` op on each device, and why not the others.
+
+A backend is a set of kernels for some device types. It declares each kernel where it defines it,
+with the `@backend.kernel(op)` decorator, optionally with a function that says, in words, why the
+kernel cannot serve a particular call (`reasons=`: only what that backend cares about — a dtype
+subset, tile limits, a missing package; shapes and ranks are the op's own check, which runs first
+whatever the backend, so a bad call gets the same message everywhere).
+
+Backends (modules of this package):
+* ``reference`` — the torch kernels of `mla_ops.ops`; any device; the ground truth.
+* ``pypto_sim`` — the PyPTO kernels run on CPU by pypto's simulator (opt-in: tests, kernel work).
+* ``npu`` — Ascend NPU: torch_npu ops + PyPTO kernels, on PrivateUse1.
+
+Choosing (`MLA_OPS_BACKEND` / `mla_ops.settings.set_backend`):
+* ``auto``: per device type, the first backend of `AUTO_PRIORITY` that serves the call; a backend
+  that cannot serve a call is skipped and `explain(op, *args)` says why.
+* an explicit backend: a demand for the ops it declares — a call it cannot serve fails with its
+  reasons instead of falling back; ops it has no kernel for keep the automatic choice.
+
+The choice is made once per (op, device type, setting), not per call: `bind()` attaches, for each
+op and dispatch key, either the chosen kernel itself or — when the first candidate has reasons that
+depend on the inputs — a small chooser walking the candidates. It runs at import and again whenever
+the setting changes. The reference kernels sit on CompositeExplicitAutograd (see `mla_ops._library`)
+and serve every device nothing else is bound for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import settings as _settings_module
+from .._checks import memo_by_signature
+from .._library import NAMESPACE, OPS, checked_kernel
+from ..settings import settings
+
+# Device types the backend layer binds kernels for, and their dispatch keys.
+DISPATCH_KEYS = {"cpu": "CPU", "npu": "PrivateUse1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    fn: Callable
+    reasons: Optional[Callable] = None  # (*args, **kwargs) -> list[str]; memoised per call signature
+
+
+class Backend:
+    """A named set of kernels for some device types.
+
+    Args:
+        name: what `MLA_OPS_BACKEND` calls it.
+        description: one line for `mla-ops info` and `explain()`.
+        device_types: the device types it serves (`"*"`: any).
+        unavailable: () -> reason it cannot run on this machine at all, or None. Must not import
+            heavy packages (probe with find_spec); the answer is cached.
+    """
+
+    def __init__(self, name: str, description: str, device_types: tuple[str, ...],
+                 unavailable: Callable[[], Optional[str]] = lambda: None):
+        self.name = name
+        self.description = description
+        self.device_types = device_types
+        self._unavailable = functools.lru_cache(maxsize=None)(unavailable)
+        self.kernels: dict[str, Kernel] = {}
+        BACKENDS[name] = self
+
+    def kernel(self, op: str, *, reasons: Optional[Callable] = None):
+        """Decorator: `fn` is this backend's kernel for `mla::<op>` (same signature as the op)."""
+        def register(fn: Callable) -> Callable:
+            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons else None)
+            return fn
+        return register
+
+    def unavailable_reason(self) -> Optional[str]:
+        return self._unavailable()
+
+    def serves_device(self, device_type: str) -> bool:
+        return "*" in self.device_types or device_type in self.device_types
+
+    def not_supported_reasons(self, op: str, *args: Any, **kwargs: Any) -> list[str]:
+        """Readable reasons this backend cannot run `op` on these inputs (empty: it can)."""
+        kernel = self.kernels.get(op)
+        if kernel is None:
+            return [f"{self.name} has no {op} kernel"]
+        reason = self.unavailable_reason()
+        if reason:
+            return [reason]
+        device = _device_of(args, kwargs)
+        if device is not None and not self.serves_device(device.type):
+            return [f"device={device.type} (supported: {', '.join(self.device_types)})"]
+        return list(kernel.reasons(*args, **kwargs)) if kernel.reasons else []
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, ops={sorted(self.kernels)})"
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+# ------------------------------------------------------------------------------------- backends
+REFERENCE = Backend("reference", "torch ops; any device; the ground truth", ("*",))
+
+from . import npu, pypto_sim  # noqa: E402,F401  (they register themselves in BACKENDS)
+
+# Automatic choice per device type: the first backend that serves the call wins.
+AUTO_PRIORITY: dict[str, tuple[Backend, ...]] = {"npu": (npu.NPU, REFERENCE)}
+DEFAULT_PRIORITY: tuple[Backend, ...] = (REFERENCE,)
+
+
+def _sync_reference_kernels() -> None:
+    """The reference backend's kernels are the ops' own reference kernels (derived, never listed)."""
+    for name, op in OPS.items():
+        if name not in REFERENCE.kernels:
+            REFERENCE.kernels[name] = Kernel(op.reference)
+
+
+def candidates(op: str, device_type: str, setting: Optional[str] = None) -> tuple[Backend, ...]:
+    """The backends that may serve `op` on `device_type` under `setting`, in order of preference."""
+    _sync_reference_kernels()
+    setting = setting or settings.backend
+    if setting != "auto" and op in BACKENDS[setting].kernels:
+        return (BACKENDS[setting],)  # a demand: served by that backend or refused, never downgraded
+    priority = AUTO_PRIORITY.get(device_type, DEFAULT_PRIORITY)
+    return tuple(b for b in priority if op in b.kernels and b.serves_device(device_type)
+                 and not b.unavailable_reason())
+
+
+def choose(op: str, *args: Any, **kwargs: Any) -> tuple[Backend, list[tuple[str, list[str]]]]:
+    """-> (backend, [(skipped backend, reasons), ...]) for this call under the current setting.
+
+    Raises NotImplementedError when an explicitly requested backend cannot serve the call."""
+    device = _device_of(args, kwargs)
+    device_type = device.type if device is not None else "cpu"
+    setting = settings.backend
+    skipped: list[tuple[str, list[str]]] = []
+    options = candidates(op, device_type, setting)
+    if setting != "auto" and options[0] is BACKENDS[setting]:
+        reasons = options[0].not_supported_reasons(op, *args, **kwargs)
+        if reasons:
+            raise NotImplementedError(
+                f"mla.{op}: backend {setting!r} was requested (MLA_OPS_BACKEND / mla_ops.settings) but "
+                f"cannot serve this call: {'; '.join(reasons)}. Use MLA_OPS_BACKEND=auto to fall back.")
+        return options[0], skipped
+    for backend in options:
+        reasons = backend.not_supported_reasons(op, *args, **kwargs)
+        if not reasons:
+            return backend, skipped
+        skipped.append((backend.name, reasons))
+    return REFERENCE, skipped
+
+
+def explain(op: str, *args: Any, **kwargs: Any) -> str:
+    """Which backend would run `torch.ops.mla.<op>(*args, **kwargs)` now, and why not the others.
+
+    The op's own argument check runs first: a bad call is explained by its error message."""
+    OPS[op].check(*args, **kwargs)
+    try:
+        backend, skipped = choose(op, *args, **kwargs)
+    except NotImplementedError as exc:
+        return str(exc)
+    lines = [f"mla.{op}: {backend.name} ({backend.description})"]
+    lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in skipped]
+    device = _device_of(args, kwargs)
+    if device is not None:
+        for other in AUTO_PRIORITY.get(device.type, DEFAULT_PRIORITY):
+            reason = other.unavailable_reason()
+            if reason and op in other.kernels:
+                lines.append(f"  not {other.name}: {reason}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- binding
+_bound_lib: Optional[torch.library.Library] = None
+_bound: dict[tuple[str, str], str] = {}  # (op, device type) -> what serves it, for reports
+
+
+def _chooser(op: str, options: tuple[Backend, ...]) -> Callable:
+    """A kernel that picks the first of `options` that can serve each call."""
+    def choose_and_run(*args, **kwargs):
+        backend, _ = choose(op, *args, **kwargs)
+        return backend.kernels[op].fn(*args, **kwargs)
+
+    choose_and_run.__name__ = f"mla_{op}_choose_{'_or_'.join(b.name for b in options)}"
+    return choose_and_run
+
+
+def bind() -> None:
+    """(Re)attach the chosen kernels for every op and device type under the current setting."""
+    global _bound_lib
+    _sync_reference_kernels()
+    if _bound_lib is not None:
+        _bound_lib._destroy()
+    _bound_lib = torch.library.Library(NAMESPACE, "IMPL")
+    _bound.clear()
+    for name, op in OPS.items():
+        for device_type, key in DISPATCH_KEYS.items():
+            options = candidates(name, device_type)
+            if not options or options == (REFERENCE,):
+                _bound[(name, device_type)] = "reference"
+                continue  # CompositeExplicitAutograd serves it
+            first = options[0]
+            direct = (len(options) == 1 and first.kernels[name].reasons is None and first.serves_device(device_type)
+                      and not first.unavailable_reason())
+            if direct:
+                kernel, label = first.kernels[name].fn, first.name
+            else:
+                kernel, label = _chooser(name, options), " or ".join(b.name for b in options)
+            _bound_lib.impl(name, checked_kernel(op, kernel, f"mla_{name}_{device_type}"), key)
+            _bound[(name, device_type)] = label
+
+
+def bound_report() -> list[tuple[str, str, str]]:
+    """(op, device type, what serves it) under the current setting, for `mla-ops info`."""
+    return [(op, device_type, label) for (op, device_type), label in sorted(_bound.items())]
+
+
+def availability_report() -> list[tuple[str, str, str]]:
+    """(backend, ops, 'available' | 'unavailable: reason') for `mla-ops info`."""
+    _sync_reference_kernels()
+    rows = []
+    for backend in BACKENDS.values():
+        reason = backend.unavailable_reason()
+        rows.append((backend.name, ", ".join(sorted(backend.kernels)),
+                     "available" if not reason else f"unavailable: {reason}"))
+    return rows
+
+
+_settings_module.on_backend_change(bind)
+
+__all__ = ["Backend", "Kernel", "BACKENDS", "REFERENCE", "AUTO_PRIORITY", "candidates", "choose", "explain",
+           "bind", "bound_report", "availability_report"]

@@ -1,0 +1,131 @@
+"""The ``npu`` backend (Ascend, PrivateUse1): torch_npu stage-1 ops + PyPTO kernels.
+
+Nothing here imports torch_npu or pypto at import time; the kernels import them when called (an NPU
+tensor exists only once torch_npu is imported). The kernels are bound to PrivateUse1 whether or not
+torch_npu was imported before mla_ops.
+
+Policy (plain functions, testable on any machine):
+* kv_prolog: B*S tokens <= `MLA_OPS_NPU_FUSED_MAX_TOKENS` (default 16), fp16/bf16, and the PyPTO
+  stage-2 kernel able to take the call -> stage 1 with torch_npu (matmul, split, npu_rms_norm) +
+  the PyPTO stage-2 kernel; otherwise the torch_npu baseline composite (the same stage 1, stage 2 as
+  framework ops). Token counts are shapes, so the choice needs no host synchronisation and is frozen
+  into a captured aclgraph.
+* gather_pa_kv_cache: the PyPTO kernel, with the large-token tile when heads*dim > 4096; when the
+  kernel cannot take a call (pypto missing, strided caches...) the reference kernel serves it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import HALF_DTYPES
+from .._optional import has_module
+from ..ops.gather_pa_kv_cache import functional_gather
+from ..ops.kv_prolog import expand_latent
+from ..ops.rope import rope_math
+from ..settings import settings
+from . import Backend
+from .staged_kv_prolog import staged_kv_prolog
+
+
+def _unavailable() -> Optional[str]:
+    return None if has_module("torch_npu") else "torch_npu is not installed"
+
+
+NPU = Backend("npu", "Ascend NPU: torch_npu stage-1 ops + PyPTO kernels, fused for short token counts", ("npu",),
+              _unavailable)
+
+
+def use_fused_kv_prolog(num_tokens: int, max_fused_tokens: int) -> bool:
+    """Short token counts (decode, short prefill) -> the PyPTO stage-2 kernel; long ones -> the
+    torch_npu baseline, as the original sample measured ("<= 20 tokens: PyPTO +5.9%, > 20:
+    baseline +10.6%"); the default threshold is 16 (MLA_OPS_NPU_FUSED_MAX_TOKENS). No tokens: the
+    baseline, which handles empty inputs without launching a kernel."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return 0 < num_tokens <= max_fused_tokens
+
+
+def _npu_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps):
+    """kv_a matmul, split and RMSNorm with torch_npu's native ops: (latent [B,S,L], k_pe view [B,S,R])."""
+    import torch_npu
+
+    lora = kv_norm_weight.shape[0]
+    compressed = F.linear(hidden_states, kv_a_weight, kv_a_bias)
+    ckv, k_pe = torch.split(compressed, [lora, compressed.shape[-1] - lora], dim=-1)
+    latent = torch_npu.npu_rms_norm(ckv.contiguous(), kv_norm_weight, epsilon=eps)[0]
+    return latent, k_pe
+
+
+def _baseline_stage2(latent, k_pe, kv_b_weight, cos, sin, *, num_heads, qk_nope_head_dim, v_head_dim, rope_layout):
+    """Stage 2 as framework ops on token-major inputs (the torch_npu baseline composite)."""
+    tokens = latent.shape[0]
+    k_nope, value = expand_latent(latent.view(1, tokens, -1), kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
+    k_pe_rot = rope_math(k_pe, cos, sin, rope_layout)
+    return k_nope[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(), k_pe_rot
+
+
+@NPU.kernel("kv_prolog")
+def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
+              qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
+    tokens = hidden_states.shape[0] * hidden_states.shape[1]
+    fused = hidden_states.dtype in HALF_DTYPES and use_fused_kv_prolog(tokens, settings.npu_fused_max_tokens)
+    if fused:
+        from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2
+
+        stage2 = functools.partial(kv_prolog_stage2, mode="npu")
+    else:
+        stage2 = _baseline_stage2
+    return staged_kv_prolog(_npu_stage1, stage2, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight,
+                            cos, sin, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
+                            v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout)
+
+
+def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
+                    is_seq_lens_cumsum=False):
+    from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache_not_supported_reasons
+
+    return gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_tables, seq_lens, key, value,
+                                                    seq_offset=seq_offset, is_seq_lens_cumsum=is_seq_lens_cumsum,
+                                                    mode="npu")
+
+
+@NPU.kernel("gather_pa_kv_cache", reasons=_gather_reasons)
+def gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
+                       is_seq_lens_cumsum=False):
+    """The PyPTO gather (no host sync: values are validated only through the Python helpers'
+    validate=True; the kernel clamps out-of-range ids instead of reading out of bounds)."""
+    from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache as pypto_gather
+
+    pypto_gather(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
+                 is_seq_lens_cumsum=is_seq_lens_cumsum, mode="npu")
+
+
+NPU.kernel("gather_pa_kv_cache_functional", reasons=_gather_reasons)(functional_gather(gather_pa_kv_cache))
+
+
+def warmup_token_counts() -> tuple[int, ...]:
+    return settings.npu_warmup_tokens
+
+
+def warmup(model, *, rope_layout: str = "interleaved") -> None:
+    """Compile the fused kv_prolog kernels for the token counts decode uses (1 and 2 by default),
+    with the first attention layer's weights, before generation starts (as the original script).
+
+    `rope_layout` must be the one the patched attention calls kv_prolog with ("half" for the hub
+    remote code): kernels are compiled per layout."""
+    attn = next(m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa"))
+    kv_a, norm, kv_b = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm, attn.kv_b_proj
+    device, dtype = kv_a.weight.device, kv_a.weight.dtype
+    rope_half = attn.qk_rope_head_dim // 2
+    with torch.no_grad():
+        for tokens in warmup_token_counts():
+            hidden = torch.randn(1, tokens, kv_a.weight.shape[1], device=device, dtype=dtype)
+            cos = torch.ones(1, tokens, rope_half, device=device)
+            sin = torch.zeros(1, tokens, rope_half, device=device)
+            torch.ops.mla.kv_prolog(hidden, kv_a.weight, kv_a.bias, norm.weight, kv_b.weight, cos, sin,
+                                    num_heads=attn.num_heads, qk_nope_head_dim=attn.qk_nope_head_dim,
+                                    v_head_dim=attn.v_head_dim, eps=norm.variance_epsilon, rope_layout=rope_layout)

@@ -1,0 +1,53 @@
+"""The KV prolog in two stages, as the original Ascend sample splits it (shared by the NPU and
+pypto_sim backends).
+
+Stage 1 (kv_a projection, split, RMSNorm) runs as framework ops; stage 2 (kv_b projection,
+reshape/split into k_nope / value, RoPE on k_pe, assemble) is one PyPTO kernel over T = B*S tokens.
+This module only moves tensors between the op's [B, S, ...] / [B, N, S, ...] layout and the
+kernel's token-major [T, ...] layout — the [T, N, D] -> [B, N, S, D] step is a view + transpose
+(the original sample's reshape was wrong for S > 1).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def stage2_inputs(latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor):
+    """latent [B, S, L], k_pe [B, S, R] (a view is fine), cos/sin [B or 1, S, R/2] or [S, R/2]
+    -> token-major (latent [T, L], k_pe [T, R], cos [T, R/2], sin [T, R/2]) with fp32 tables."""
+    batch, seq, _ = latent.shape
+    tokens = batch * seq
+
+    def table(t: Tensor) -> Tensor:
+        t = t.to(torch.float32)
+        if t.dim() == 2:
+            t = t.unsqueeze(0)
+        return t.expand(batch, seq, t.shape[-1]).reshape(tokens, t.shape[-1])
+
+    # explicit widths: reshape(tokens, -1) is ambiguous when there are no tokens
+    return (latent.reshape(tokens, latent.shape[-1]), k_pe.reshape(tokens, k_pe.shape[-1]), table(cos),
+            table(sin))
+
+
+def stage2_outputs(k_nope: Tensor, value: Tensor, k_pe: Tensor, batch: int, seq: int):
+    """(k_nope [T, N, P], value [T, N, V], k_pe [T, R]) -> the op's [B, N, S, P], [B, N, S, V], [B, 1, S, R]."""
+    def heads_first(t: Tensor) -> Tensor:
+        return t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
+
+    return heads_first(k_nope), heads_first(value), k_pe.view(batch, 1, seq, k_pe.shape[-1])
+
+
+def staged_kv_prolog(stage1: Callable, stage2: Callable, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight,
+                     kv_b_weight, cos, sin, *, num_heads, qk_nope_head_dim, v_head_dim, eps, rope_layout):
+    """stage1(hidden, kv_a_w, kv_a_b, norm_w, eps) -> (latent [B,S,L], k_pe [B,S,R]);
+    stage2(latent_t, k_pe_t, kv_b_w, cos_t, sin_t, **dims) -> token-major outputs."""
+    batch, seq, _ = hidden_states.shape
+    latent, k_pe = stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps)
+    latent_t, k_pe_t, cos_t, sin_t = stage2_inputs(latent, k_pe, cos, sin)
+    k_nope, value, k_pe_rot = stage2(latent_t, k_pe_t, kv_b_weight, cos_t, sin_t, num_heads=num_heads,
+                                     qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
+                                     rope_layout=rope_layout)
+    return stage2_outputs(k_nope, value, k_pe_rot, batch, seq)

@@ -1,0 +1,204 @@
+"""`mla-ops bench <kind>`: one entry per benchmark in `BENCHMARKS` — its arguments and how it runs.
+
+The measuring code lives in `mla_ops.bench` (which never imports the command line); here each kind
+parses its arguments, calls its measurement, prints the table and writes the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Callable, NamedTuple
+
+from .arguments import int_at_least, int_list
+from .runtime import CliError
+
+
+class Benchmark(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, dict], dict]  # (args, meta) -> the JSON payload
+
+
+# ---------------------------------------------------------------------------------------------- e2e
+def _e2e_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-lengths", type=int_list, default=[32, 512, 2048], help="default: 32,512,2048")
+    p.add_argument("--output-lengths", type=int_list, default=[10, 20, 50, 100], help="default: 10,20,50,100")
+    p.add_argument("--repeats", type=int_at_least(1), default=3, help="timed runs per variant and configuration "
+                                                                       "(median)")
+    p.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed runs per variant first (default: 1)")
+    p.add_argument("--fused", default="kv_fusion",
+                   help="what the fused variant routes through mla ops: a comma list of kv_fusion, rope, pto "
+                        "(default: kv_fusion, the original comparison)")
+    p.add_argument("--cache", default="dense", choices=["dense", "paged"], help="cache mode of the fused variant")
+    p.add_argument("--quick", action="store_true",
+                   help="prompt lengths 32,512, output lengths 10,20, 2 repeats (a minute on 2 cores)")
+    p.add_argument("--model-path", default=None, help="local checkpoint (default: the built-in model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--plot", default="bench_e2e.png",
+                   help="PNG plot path (default: bench_e2e.png; skipped with a message without matplotlib)")
+
+
+def _run_e2e(args, meta: dict) -> dict:
+    import torch
+
+    from ..bench import e2e
+    from ..bench.timing import format_table
+    from . import loading
+    from .runtime import offline_environment, resolve_device
+
+    offline_environment()
+    if args.quick:
+        args.prompt_lengths, args.output_lengths, args.repeats = [32, 512], [10, 20], 2
+    flags = {f.strip() for f in args.fused.split(",") if f.strip()}
+    unknown = flags - {"kv_fusion", "rope", "pto"}
+    if unknown or not flags:
+        raise CliError(f"--fused {args.fused!r}: choose from kv_fusion, rope, pto")
+    if args.cache == "paged" and "kv_fusion" not in flags:
+        raise CliError("--cache paged needs kv_fusion in --fused")
+    device = resolve_device(args.device)
+    loaded = loading.load(args.model_path, args.dtype, device, progress=print)
+    for note in loaded.notes:
+        print(f"NOTE: {note}")
+    fused = {"kv_prolog": "kv_fusion" in flags, "rope": "rope" in flags, "rms_norm": "pto" in flags,
+             "cache": args.cache}
+    rows = e2e.measure(loaded.model, loaded.tokenizer, prompt_lengths=args.prompt_lengths,
+                       output_lengths=args.output_lengths, repeats=args.repeats, warmup=args.warmup, fused=fused)
+    print(f"\nbaseline (stock transformers) vs fused ({', '.join(sorted(flags))}, cache={args.cache}); "
+          f"{loaded.source} model, {loaded.dtype}, {device}, {torch.get_num_threads()} threads, "
+          f"median of {args.repeats}")
+    print(format_table(rows, [("prompt_tokens", "prompt"), ("output_tokens", "output"),
+                              ("baseline_tokens_per_s", "baseline tok/s"), ("fused_tokens_per_s", "fused tok/s"),
+                              ("speedup", "speedup"), ("verdict", "verdict")]))
+    meta.update(model=loaded.source, dtype=str(loaded.dtype), device=str(device), fused=fused)
+    title = (f"baseline vs fused ({', '.join(sorted(flags))}, cache={args.cache}): {loaded.source} model, "
+             f"{str(loaded.dtype).removeprefix('torch.')}, {device}")
+    if e2e.plot(rows, args.plot, title):
+        print(f"plot written to {args.plot}")
+    else:
+        print("plot skipped: matplotlib is not installed (pip install 'mla-ops[plot]')")
+    return {"meta": meta, "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------- ops
+def _ops_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
+
+
+def _run_ops(args, meta: dict) -> dict:
+    from ..bench import decode, ops, paged_kv_cache
+    from ..bench.timing import format_table
+
+    quick = args.quick
+    kv = ops.measure_kv_prolog((1, 16) if quick else (1, 16, 512), rounds=3 if quick else 5)
+    print("\nmla.kv_prolog vs the stock transformers KV sequence vs the two bare GEMMs (bf16, V2-Lite dims)")
+    print(format_table(kv, [("S", "S"), ("mla_kv_prolog_us", "mla.kv_prolog us"), ("stock_us", "stock us"),
+                            ("gemm_floor_us", "2 GEMMs us"), ("fused_over_floor", "fused/floor"),
+                            ("stock_over_floor", "stock/floor"), ("stock_over_fused", "stock/fused")]))
+    tokens = 8192 if quick else 65536
+    paged = paged_kv_cache.measure(tokens=tokens, rounds=3 if quick else 5)
+    print(f"\npaged cache gather / scatter vs copy_ of the same bytes ({tokens} tokens x 576 bf16)")
+    print(format_table(paged, [("variant", "variant"), ("ms", "ms"), ("gb_s", "GB/s"),
+                               ("ratio_to_copy", "x copy_ throughput")]))
+    contexts = (512, 2048) if quick else (512, 2048, 4096, 8192)
+    attention = decode.measure_attention_step(contexts, rounds=3 if quick else 5)
+    print("\nabsorbed decode (q@W_UK -> mla.mla_decode_attention -> @W_UV) vs materialised attention "
+          "(expand_kv + sdpa), one layer, bf16")
+    print(format_table(attention, [("context", "context"), ("stock_ms", "materialised ms"),
+                                   ("absorbed_ms", "absorbed ms"), ("stock_over_absorbed", "speedup")]))
+    return {"meta": meta, "kv_prolog": kv, "paged_kv_cache": paged, "decode_attention": attention}
+
+
+# ------------------------------------------------------------------------------------------- decode
+def _decode_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", type=int_list, default=[512, 2048, 4096, 8192],
+                   help="context lengths (default: 512,2048,4096,8192)")
+    p.add_argument("--quick", action="store_true", help="contexts 512,2048 and fewer rounds")
+
+
+def _run_decode(args, meta: dict) -> dict:
+    from ..bench import decode
+    from ..bench.timing import format_table
+
+    contexts = [512, 2048] if args.quick else args.contexts
+    rounds = 2 if args.quick else 3
+    model_rows = decode.measure_model_decode(contexts, rounds=rounds)
+    print("\nwhole-model decode, ms per token (lite-attn, bf16): stock transformers vs cache=dense vs cache=paged")
+    print(format_table(model_rows, [("context", "context"), ("variant", "variant"),
+                                    ("ms_per_token", "ms/token"), ("stock_over_variant", "stock / this"),
+                                    ("cache_bytes_per_token_per_layer", "cache B/token/layer")]))
+    attention = decode.measure_attention_step(contexts, rounds=rounds + 2)
+    print("\nattention decode step alone, one layer")
+    print(format_table(attention, [("context", "context"), ("stock_ms", "stock ms"),
+                                   ("absorbed_ms", "absorbed ms"), ("stock_over_absorbed", "stock / absorbed")]))
+    meta.update(decode.environment())
+    return {"meta": meta, "model_decode": model_rows, "attention_step": attention}
+
+
+# ------------------------------------------------------------------------------------------ npu-sim
+def _npu_sim_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a subset of kernels and shapes")
+    p.add_argument("--record", action="store_true",
+                   help="overwrite benchmarks/results/npu_sim.json with this run (the regression baseline)")
+
+
+def _run_npu_sim(args, meta: dict) -> dict:
+    from .. import pypto_runtime
+    from ..bench import npu_sim
+    from ..bench.timing import format_table
+
+    reasons = pypto_runtime.unsupported_reasons()
+    if reasons:
+        raise CliError(f"bench npu-sim needs pypto's simulator: {'; '.join(reasons)}")
+    rows = npu_sim.measure(quick=args.quick)
+    print(format_table(rows, [(k, k) for k in ("kernel", "config", "case", "tokens", "dtype", "aicore_us")]))
+    record_path = npu_sim.default_record_path()
+    regressions = npu_sim.compare_to_record(rows, npu_sim.load_record(record_path))
+    for line in regressions:
+        print(f"REGRESSION: {line}")
+    if args.record:
+        npu_sim.record(rows, record_path)
+        print(f"recorded to {record_path}")
+    return {"meta": meta, "rows": rows, "regressions": regressions}
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "e2e": Benchmark("baseline vs fused generation across prompt and output lengths "
+                     "(the original benchmark_bs_comparison.py)", _e2e_arguments, _run_e2e),
+    "ops": Benchmark("kv_prolog vs stock vs GEMM floor; gather/scatter GB/s vs copy_; decode attention vs "
+                     "materialised", _ops_arguments, _run_ops),
+    "decode": Benchmark("per-token decode latency at long contexts: stock vs cache=dense vs cache=paged "
+                        "(lite-attn, bf16), plus the attention step alone", _decode_arguments, _run_decode),
+    "npu-sim": Benchmark("simulated Ascend 910B2 AICore time of the PyPTO kernels (pypto's CPU simulator)",
+                         _npu_sim_arguments, _run_npu_sim),
+}
+
+
+def add_parser(sub) -> None:
+    """The `bench` subcommand and one sub-subcommand per entry of BENCHMARKS."""
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
+    kinds = bench.add_subparsers(dest="kind", metavar="{" + ",".join(BENCHMARKS) + "}")
+    kinds.required = True
+    for name, entry in BENCHMARKS.items():
+        p = kinds.add_parser(name, help=entry.help)
+        entry.add_arguments(p)
+        default_json = f"bench_{name.replace('-', '_')}.json"
+        p.add_argument("--json", dest="json_path", default=default_json,
+                       help=f"write results as JSON here (default: {default_json})")
+        p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's "
+                                                                             "choice)")
+
+
+def run(args) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+    payload = BENCHMARKS[args.kind].run(args, meta)
+    target = pathlib.Path(args.json_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"results written to {target}")

@@ -1,0 +1,94 @@
+"""Model-level hooks of the paged mode: the model builds an `MLAPagedCache` where it would build
+its own cache, and each forward's token slots are planned once, before the layers run."""
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+
+from .modeling import native_module
+from .paged_attention import _ABSORBED_OWNERS, drop_absorbed_weights
+from .paged_cache import MLAPagedCache, _unsupported
+from .patching import stock_attr
+
+
+def _model_forward_with_paged_cache(original_forward):
+    """Wrap DeepseekV2Model.forward: create an MLAPagedCache when the model would create a cache,
+    and plan each forward's slots once before the layers run."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, **kwargs):
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if use_cache and cache is None and not torch.is_grad_enabled():
+            # With gradients (training), the model's own cache and the dense path serve: the paged
+            # cache's writes are inference-only ops.
+            cache = MLAPagedCache(self.config)
+        if isinstance(cache, MLAPagedCache):
+            tokens = input_ids if input_ids is not None else inputs_embeds
+            cache.begin_forward(attention_mask, tokens.shape[0], tokens.shape[1], self.embed_tokens.weight.dtype,
+                                tokens.device)
+        try:
+            return original_forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
+                                    use_cache=use_cache, **kwargs)
+        finally:
+            if isinstance(cache, MLAPagedCache):
+                cache.end_forward()
+
+    forward.__name__ = "mla_ops_paged_model_forward"
+    forward.__wrapped__ = original_forward
+    return forward
+
+
+def _prepare_cache_with_paged(original):
+    """Wrap GenerationMixin._prepare_cache_for_generation: the cache generate makes becomes an
+    MLAPagedCache (static when cache_implementation='static'); a user-passed cache is respected."""
+
+    def prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        made = model_kwargs.get("cache")
+        if made is None or getattr(made, "_is_user_defined", False) or isinstance(made, MLAPagedCache):
+            return result
+        if generation_config.num_beams > 1:
+            _unsupported("beam search (num_beams > 1)")
+        static = generation_config.cache_implementation == "static"
+        if static and generation_config.max_cache_len is not None:  # as transformers sizes StaticCache
+            max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+        config = self.config.get_text_config(decoder=True)
+        # generate expands the batch by num_return_sequences before the first forward (as transformers
+        # sizes its own caches)
+        rows = batch_size * max(1, generation_config.num_return_sequences or 1)
+        # a compiled decode makes the absorbed copies inside the trace: register their owners here
+        _ABSORBED_OWNERS.update(m for m in self.modules() if hasattr(m, "kv_b_proj"))
+        model_kwargs["cache"] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
+                                              static=static, dtype=self.dtype, device=self.device)
+        return result
+
+    prepare.__name__ = "mla_ops_prepare_cache_for_generation"
+    return prepare
+
+
+def install_cache_factory(target, handle) -> None:
+    """Hook cache creation on a model instance (or on the native classes when target is the
+    DeepseekV2Model class): model(use_cache=True) and generate() then build MLAPagedCache; reverting
+    the handle frees the absorbed W_UK / W_UV copies the decode path made."""
+    hf = native_module()
+    # Always wrap the stock functions, so applying twice never stacks two wrappers.
+    stock_forward = stock_attr(hf.DeepseekV2Model, "forward")
+    stock_prepare = stock_attr(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation")
+    if isinstance(target, type):  # class level
+        handle.set(hf.DeepseekV2Model, "forward", _model_forward_with_paged_cache(stock_forward))
+        handle.set(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare))
+        handle.on_revert(drop_absorbed_weights)
+        return
+    target_ref = weakref.ref(target)  # the callback must not keep the model alive
+    handle.on_revert(lambda: drop_absorbed_weights(target_ref().modules() if target_ref() is not None else ()))
+    for model in (m for m in target.modules() if isinstance(m, hf.DeepseekV2Model)):  # apply() checked one exists
+        bound = _model_forward_with_paged_cache(stock_forward)
+        handle.set(model, "forward", types.MethodType(bound, model), in_dict=True)
+    if hasattr(target, "_prepare_cache_for_generation"):
+        wrapped = _prepare_cache_with_paged(stock_prepare)
+        handle.set(target, "_prepare_cache_for_generation", types.MethodType(wrapped, target), in_dict=True)

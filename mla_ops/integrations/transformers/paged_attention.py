@@ -1,0 +1,139 @@
+"""The paged-mode attention forward: latent prolog into the paged cache, absorbed decode.
+
+* prefill: `mla.latent_kv_prolog` -> `mla.scatter_pa_kv_cache`; attention over the new tokens
+  expanded with kv_b (exactly stock's arithmetic, so logits match stock bit for bit). When a row
+  already has cached tokens (a prompt continued in a second call, chunked prefill), the prefix is
+  read back with `mla.gather_pa_kv_cache` and expanded with it.
+* decode (one token per row): the absorbed path of vLLM / FlashMLA — q_nope @ W_UK ->
+  `mla.mla_decode_attention` over the paged latent cache -> @ W_UV -> o_proj. W_UK / W_UV are
+  prepared once per layer from kv_b_proj.weight (contiguous copies); kv_b never runs over the cache.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from .attention_parts import attend_and_project, dense_key, expand_latent, split_query
+from .paged_cache import ForwardPlan, MLAPagedLayer
+
+# Attention modules holding absorbed W_UK / W_UV copies (registered eagerly), freed on revert.
+_ABSORBED_OWNERS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def drop_absorbed_weights(modules=None) -> None:
+    """Free the absorbed copies of `modules` (any iterable of modules), or of every owner."""
+    for module in list(_ABSORBED_OWNERS if modules is None else modules):
+        module.__dict__.pop("_mla_ops_absorbed", None)
+        _ABSORBED_OWNERS.discard(module)
+
+
+def _absorbed_weights(attn):
+    """(W_UK [N, P, L], W_UV^T [N, L, V]), contiguous, made once per layer from kv_b_proj.weight.
+
+    Contiguous copies rather than views: ATen's CPU bf16 bmm copies a strided batch operand on every
+    call (measured 8.5 ms for q_nope @ W_UK from the view vs 0.06 ms from the copy). They are remade
+    when kv_b_proj.weight is replaced, modified in place, moved or cast (not checked inside a compiled
+    graph, where weights are frozen)."""
+    weight = attn.kv_b_proj.weight
+    cached = attn.__dict__.get("_mla_ops_absorbed")
+    stale = cached is None or cached[0] is not weight
+    if not stale and not torch.compiler.is_compiling():
+        # in place (version), new storage (`.data = `, model.to(device) keeps the Parameter), new dtype
+        stale = cached[1] != (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+    if stale:
+        with torch.no_grad():
+            per_head = weight.view(attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim, attn.kv_lora_rank)
+            w_uk = per_head[:, : attn.qk_nope_head_dim].contiguous()
+            w_uv_t = per_head[:, attn.qk_nope_head_dim:].transpose(1, 2).contiguous()
+        cached = (weight, (weight._version, weight.data_ptr(), weight.dtype, weight.device), w_uk, w_uv_t)
+        attn.__dict__["_mla_ops_absorbed"] = cached
+        if not torch.compiler.is_compiling():  # (compiled generate: registered by the generate hook)
+            _ABSORBED_OWNERS.add(attn)
+    return cached[2], cached[3]
+
+
+def absorbed_decode_step(attn, layer: MLAPagedLayer, plan: ForwardPlan, q_nope, q_pe):
+    """One token per row: o = ((softmax(q_lat·latent + q_pe·k_pe) · latent) @ W_UV) -> [B, 1, N*V]."""
+    w_uk, w_uv_t = _absorbed_weights(attn)
+    batch = q_nope.shape[0]
+    q_latent = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_uk).transpose(0, 1)  # [B, N, L]
+    o_latent = torch.ops.mla.mla_decode_attention(q_latent, q_pe[:, :, 0], layer.latent_pool, layer.k_pe_pool,
+                                                  plan.block_tables, plan.seq_lens, attn.scaling)
+    out = torch.bmm(o_latent.transpose(0, 1), w_uv_t)  # [N, B, V]
+    return out.transpose(0, 1).reshape(batch, 1, -1)
+
+
+def _gather_prefix(layer: MLAPagedLayer, plan: ForwardPlan):
+    """Cached prefix of every row, padded: (latent [B, P, L], k_pe [B, P, R], valid [B, P])."""
+    prefix = plan.prefix_lens
+    lengths = prefix.tolist()
+    longest, total = max(lengths), sum(lengths)
+    cumsum = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=prefix.device)
+    cumsum[1:] = torch.cumsum(prefix, 0)
+    latent, k_pe = layer.latent_pool, layer.k_pe_pool
+    packed_latent = latent.new_empty(total, 1, latent.shape[-1])
+    packed_k_pe = k_pe.new_empty(total, 1, k_pe.shape[-1])
+    torch.ops.mla.gather_pa_kv_cache(latent, k_pe, plan.block_tables, cumsum, packed_latent, packed_k_pe,
+                                     is_seq_lens_cumsum=True)
+    pos = torch.arange(longest, device=prefix.device)
+    valid = pos[None, :] < prefix[:, None]
+    index = torch.where(valid, cumsum[:-1, None] + pos[None, :], 0)
+    pad = lambda packed: torch.where(valid[..., None], packed[index.clamp(max=max(total - 1, 0)), 0], 0)  # noqa: E731
+    return pad(packed_latent), pad(packed_k_pe), valid
+
+
+def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe):
+    """New tokens attend to (gathered prefix + new tokens): materialised K/V via kv_b, own mask."""
+    prefix_latent, prefix_k_pe, prefix_valid = _gather_prefix(layer, plan)
+    keys_latent = torch.cat((prefix_latent, latent), dim=1)  # [B, P+S, L]
+    k_nope, value_states = expand_latent(attn, keys_latent)
+    k_pe_all = torch.cat((prefix_k_pe, k_pe), dim=1)[:, None]  # [B, 1, P+S, R]
+    key_states = dense_key(k_nope, k_pe_all)
+    seq = latent.shape[1]
+    real = plan.real
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=real.device).tril()
+    new_part = causal[None] & real[:, None, :] & real[:, :, None]  # real queries see earlier real tokens
+    new_part |= torch.eye(seq, dtype=torch.bool, device=real.device)[None]  # padding queries see themselves
+    prefix_part = prefix_valid[:, None, :] & real[:, :, None]
+    mask = torch.cat((prefix_part, new_part), dim=-1)[:, None]  # [B, 1, S, P+S]
+    out = F.scaled_dot_product_attention(query_states, key_states, value_states.contiguous(), attn_mask=mask,
+                                         scale=attn.scaling)
+    return out.transpose(1, 2).reshape(latent.shape[0], seq, -1)
+
+
+def paged_attention_forward(attn, hidden_states, attention_mask, cache, position_embeddings, **kwargs):
+    """The paged-mode body of the patched native DeepseekV2Attention.forward."""
+    plan = cache.plan
+    if plan is None:
+        raise RuntimeError("MLAPagedCache has no plan for this forward: the model-level hook did not run "
+                           "(patch the model with apply(model, cache='paged'))")
+    batch, seq = hidden_states.shape[:-1]
+    freqs_cis = position_embeddings.to(hidden_states.device)
+    cos, sin = freqs_cis.real, freqs_cis.imag
+    kv_a, norm = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm
+    latent, k_pe = torch.ops.mla.latent_kv_prolog(hidden_states, kv_a.weight, kv_a.bias, norm.weight, cos, sin,
+                                                  eps=norm.variance_epsilon)
+    layer = cache.layers[attn.layer_idx]
+    torch.ops.mla.scatter_pa_kv_cache(latent.view(batch * seq, 1, -1), k_pe.view(batch * seq, 1, -1),
+                                      layer.latent_pool, layer.k_pe_pool, plan.slot_mapping)
+    q_nope, q_pe = split_query(attn, hidden_states)
+    q_pe = torch.ops.mla.rope(q_pe, cos, sin)
+    if seq == 1:
+        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe)
+        return attn.o_proj(attn_output), None
+    query_states = torch.cat((q_nope, q_pe), dim=-1)
+    if plan.has_prefix:
+        attn_output = _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe)
+        return attn.o_proj(attn_output), None
+    # Fresh prefill: the new tokens are all there is (padding included, masked by transformers' own mask),
+    # so this is stock's arithmetic and gives stock's logits.
+    k_nope, value_states = expand_latent(attn, latent)
+    key_states = dense_key(k_nope, k_pe[:, None])
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != seq:
+        # transformers sized the mask for the whole cache (static: max_cache_len; after rows of only
+        # padding: seen + S); the keys here are the new tokens, which are its last S (dynamic) or
+        # first S (static, nothing seen yet) columns.
+        attention_mask = attention_mask[..., :seq] if cache.static else attention_mask[..., -seq:]
+    return attend_and_project(attn, query_states, key_states, value_states, attention_mask, **kwargs)

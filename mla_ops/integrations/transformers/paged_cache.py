@@ -1,0 +1,387 @@
+"""The paged MLA latent cache: a transformers `Cache` for `apply(model, cache="paged")`.
+
+Per token and layer the cache keeps only what MLA needs: the RMS-normed latent [L] and the rotated
+k_pe [R] — 576 values, 1152 bytes in bf16 for DeepSeek-V2-Lite — in block pools
+`[num_blocks, block_size, 1, L]` / `[num_blocks, block_size, 1, R]`, addressed through a block table
+per batch row. Padding tokens are never stored (their slot is -1), so each row holds exactly its
+real tokens.
+
+* prefill: `mla.latent_kv_prolog` -> `mla.scatter_pa_kv_cache`; attention over the new tokens
+  expanded with kv_b (exactly stock's arithmetic, so logits match stock bit for bit). When a row
+  already has cached tokens (a prompt continued in a second call, chunked prefill), the prefix is
+  read back with `mla.gather_pa_kv_cache` and expanded with it.
+* decode (one token per row): the absorbed path of vLLM / FlashMLA — q_nope @ W_UK ->
+  `mla.mla_decode_attention` over the paged latent cache -> @ W_UV -> o_proj. W_UK / W_UV are
+  prepared once per layer from kv_b_proj.weight (contiguous copies); kv_b never runs over the cache.
+
+`MLAPagedCache(static=False)` grows block by block from a free list (host bookkeeping, pools double
+when full; it refuses to be traced by torch.compile). `MLAPagedCache(static=True, batch_size=...,
+max_cache_len=...)` preallocates everything and keeps the per-token bookkeeping in tensors, so a
+decode step (and a first prefill) compiles with `torch.compile(fullgraph=True)` and can be
+graph-captured; a prefill continuing a cached prefix reads the prefix back with host-known sizes and
+runs eagerly.
+
+While gradients are enabled (training), the patched model does not create a paged cache by itself:
+the model's own cache and the dense path serve, because cache writes are inference-only ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+# ------------------------------------------------------------------------------------------- cache
+class MLAPagedLayer(CacheLayerMixin):
+    """One layer's pools. Token bookkeeping (block tables, lengths) is shared, on the parent cache."""
+
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: "MLAPagedCache"):
+        super().__init__()
+        self._cache = cache
+        self.is_compileable = cache.static
+
+    @property
+    def latent_pool(self) -> torch.Tensor:  # [num_blocks, block_size, 1, L]
+        return self.keys
+
+    @property
+    def k_pe_pool(self) -> torch.Tensor:  # [num_blocks, block_size, 1, R]
+        return self.values
+
+    def allocate(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
+        c = self._cache
+        self.keys = torch.zeros(num_blocks, c.block_size, 1, c.kv_lora_rank, dtype=dtype, device=device)
+        self.values = torch.zeros(num_blocks, c.block_size, 1, c.rope_dim, dtype=dtype, device=device)
+        self.device = device
+        self.is_initialized = True
+        if c.static and not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+
+    def grow(self, num_blocks: int) -> None:
+        extra = num_blocks - self.keys.shape[0]
+        self.keys = torch.cat((self.keys, self.keys.new_zeros(extra, *self.keys.shape[1:])))
+        self.values = torch.cat((self.values, self.values.new_zeros(extra, *self.values.shape[1:])))
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise NotImplementedError("MLAPagedLayer is filled by the paged attention forward, not by update()")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(
+            "MLAPagedCache stores the MLA latent through mla.scatter_pa_kv_cache in the patched attention "
+            "(mla_ops.model_patches.deepseek_v2.apply(model, cache='paged')); it has no per-head K/V to update")
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self._cache.static:
+            return self._cache.max_cache_len, 0
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self._cache.max_cache_len if self._cache.static else -1
+
+    def reset(self) -> None:
+        self._cache.reset()
+
+    def reorder_cache(self, beam_idx) -> None:
+        _unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        pass  # the parent cache crops the shared bookkeeping once (Cache.crop calls every layer)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        _unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        _unsupported("batch_select_indices")
+
+
+def _unsupported(what: str):
+    raise NotImplementedError(
+        f"MLAPagedCache does not support {what}: rows own their blocks and there is no copy-on-write for "
+        f"shared prefixes. Use greedy or sampling generation, or apply(model, cache='dense') for beam search "
+        f"and assisted decoding.")
+
+
+@dataclasses.dataclass
+class ForwardPlan:
+    """Where the tokens of one forward go; computed once per forward, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [B*S] int64, -1 for padding tokens
+    real: torch.Tensor  # [B, S] bool
+    prefix_lens: torch.Tensor  # [B] int64: tokens cached before this forward
+    seq_lens: torch.Tensor  # [B] int64: tokens cached after it
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    has_prefix: bool  # some row had cached tokens (host-known; False inside compiled decode)
+
+
+class MLAPagedCache(Cache):
+    """A transformers `Cache` holding the MLA latent and rotated k_pe in paged block pools.
+
+    Args:
+        config: the DeepseekV2Config (kv_lora_rank, qk_rope_head_dim, num_hidden_layers).
+        block_size: tokens per block (default 64).
+        batch_size: rows; required with static=True, else taken from the first forward.
+        max_cache_len: tokens per row to reserve; required with static=True. With static=False it
+            only sizes the first pool allocation (generate passes its max_length), the pool grows
+            by doubling when the free list runs out.
+        static: preallocate the pools and a fixed block table (row b owns blocks
+            [b*n, (b+1)*n)) and keep every piece of bookkeeping in tensors, for torch.compile and
+            graph capture.
+        dtype, device: allocate now instead of at the first forward.
+    """
+
+    def __init__(self, config, *, block_size: int = DEFAULT_BLOCK_SIZE, batch_size: Optional[int] = None,
+                 max_cache_len: Optional[int] = None, static: bool = False, dtype: Optional[torch.dtype] = None,
+                 device=None):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if static and (batch_size is None or max_cache_len is None):
+            raise ValueError("MLAPagedCache(static=True) needs batch_size and max_cache_len")
+        self.static = static
+        self.block_size = block_size
+        self.kv_lora_rank = config.kv_lora_rank
+        self.rope_dim = config.qk_rope_head_dim
+        self.num_layers = config.num_hidden_layers
+        self.max_cache_len = max_cache_len
+        self._batch_size = batch_size
+        super().__init__(layers=[MLAPagedLayer(self) for _ in range(self.num_layers)])
+        self.plan: Optional[ForwardPlan] = None
+        self._seen = 0  # positions seen per row, padding included (what transformers calls seq length)
+        self._seen_tensor: Optional[torch.Tensor] = None  # the same, as a tensor, in static mode
+        self._prefilled = False
+        self._lens_host: list[int] = []  # dynamic: real tokens per row
+        self._blocks_host: list[list[int]] = []  # dynamic: block ids per row
+        self._free: list[int] = []
+        self.seq_lens: Optional[torch.Tensor] = None
+        self.block_tables: Optional[torch.Tensor] = None
+        if dtype is not None and batch_size is not None:
+            self._allocate(batch_size, dtype, torch.device(device or "cpu"))
+
+    # ---------------------------------------------------------------- allocation and bookkeeping
+    @property
+    def blocks_per_row(self) -> int:
+        return math.ceil(self.max_cache_len / self.block_size)
+
+    def _allocate(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._batch_size = batch_size
+        if self.static:
+            num_blocks = batch_size * self.blocks_per_row
+            self.block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device).view(batch_size, -1)
+            self._seen_tensor = torch.zeros((), dtype=torch.int64, device=device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self._seen_tensor)
+        else:
+            per_row = self.blocks_per_row if self.max_cache_len else 1  # a size hint only: the pool grows
+            num_blocks = batch_size * per_row
+            self._free = list(range(num_blocks - 1, -1, -1))
+            self._lens_host = [0] * batch_size
+            self._blocks_host = [[] for _ in range(batch_size)]
+            self.block_tables = torch.zeros(batch_size, 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        for layer in self.layers:
+            layer.allocate(num_blocks, dtype, device)
+
+    def _take_blocks(self, count: int) -> list[int]:
+        """Pop `count` block ids off the free stack, doubling every layer's pool when it runs out."""
+        if count > len(self._free):
+            old = self.layers[0].keys.shape[0]
+            new = max(2 * old, old + count - len(self._free))
+            for layer in self.layers:
+                layer.grow(new)
+            self._free = list(range(new - 1, old - 1, -1)) + self._free  # new ids go under the old ones
+        taken = self._free[len(self._free) - count:]
+        del self._free[len(self._free) - count:]
+        return taken[::-1]
+
+    def begin_forward(self, attention_mask: Optional[torch.Tensor], batch_size: int, new_tokens: int,
+                      dtype: torch.dtype, device: torch.device) -> ForwardPlan:
+        """Plan the slots of this forward's tokens (called once per model forward, before the layers)."""
+        if not self.static and torch.compiler.is_compiling():
+            raise RuntimeError(
+                "MLAPagedCache(static=False) allocates blocks on the host and cannot be traced by torch.compile; "
+                "use MLAPagedCache(config, static=True, batch_size=..., max_cache_len=...) or "
+                "generate(..., cache_implementation='static') for compiled decoding")
+        if self.layers[0].keys is None:
+            self._allocate(batch_size, dtype, device)
+        if batch_size != self._batch_size:
+            raise ValueError(f"MLAPagedCache holds {self._batch_size} rows but the forward has batch size "
+                             f"{batch_size}; use one cache per batch")
+        real = self._real_token_flags(attention_mask, batch_size, new_tokens, device)
+        self.plan = self._plan_static(real) if self.static else self._plan_dynamic(real)
+        return self.plan
+
+    def end_forward(self) -> None:
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return
+        self.seq_lens.copy_(plan.seq_lens)
+        new_tokens = plan.real.shape[1]
+        if self.static:
+            # Traced as tensor ops. The host flag is a plain attribute store (replayed after a
+            # compiled step), set by multi-token forwards so a later prefill knows there is a prefix;
+            # decode steps never read or write it, so they compile once.
+            self._seen_tensor.add_(new_tokens)
+            if new_tokens > 1 or not torch.compiler.is_compiling():
+                self._prefilled = True
+            if not torch.compiler.is_compiling():
+                self._seen += new_tokens  # host mirror, for eager callers only
+            return
+        self._seen += new_tokens
+        self._prefilled = True
+
+    def _real_token_flags(self, attention_mask, batch_size, new_tokens, device) -> torch.Tensor:
+        """[B, S] bool: which new tokens are real (not padding), from a 2-D or 4-D attention mask."""
+        if attention_mask is None:
+            return torch.ones(batch_size, new_tokens, dtype=torch.bool, device=device)
+        if attention_mask.dim() == 2:
+            return attention_mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
+        if attention_mask.dim() == 4:
+            # A token is real iff it may attend to itself (padding columns are masked for every query).
+            seen = self._seen_tensor if self.static else self._seen
+            own = torch.arange(new_tokens, device=attention_mask.device)
+            diag = attention_mask[:, 0, own, own + seen]
+            allowed = diag if diag.dtype == torch.bool else diag == 0
+            return allowed.to(device)
+        raise ValueError(f"unsupported attention_mask of shape {tuple(attention_mask.shape)}")
+
+    def _plan_dynamic(self, real: torch.Tensor) -> ForwardPlan:
+        bs = self.block_size
+        real_host = real.cpu()
+        counts = real_host.sum(1).tolist()
+        prefix = list(self._lens_host)
+        for row, (old, add) in enumerate(zip(prefix, counts)):
+            need = math.ceil((old + add) / bs) - len(self._blocks_host[row])
+            if need > 0:
+                self._blocks_host[row] += self._take_blocks(need)
+        width = max(1, max(len(b) for b in self._blocks_host))
+        tables = torch.full((len(prefix), width), -1, dtype=torch.int32)
+        for row, blocks in enumerate(self._blocks_host):  # one small row copy per sequence
+            tables[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        positions = torch.tensor(prefix)[:, None] + torch.cumsum(real_host.long(), 1) - 1
+        block = tables.long().gather(1, torch.div(positions.clamp(min=0), bs, rounding_mode="floor"))
+        slots = torch.where(real_host, block * bs + positions % bs, -1)
+        self._lens_host = [p + c for p, c in zip(prefix, counts)]
+        device = real.device
+        self.block_tables = tables.to(device)
+        return ForwardPlan(slot_mapping=slots.view(-1).to(device), real=real,
+                           prefix_lens=torch.tensor(prefix, device=device),
+                           seq_lens=torch.tensor(self._lens_host, device=device), block_tables=self.block_tables,
+                           has_prefix=any(p > 0 for p in prefix))
+
+    def _plan_static(self, real: torch.Tensor) -> ForwardPlan:
+        bs, capacity = self.block_size, self.blocks_per_row * self.block_size
+        prefix = self.seq_lens
+        positions = prefix[:, None] + torch.cumsum(real.long(), 1) - 1
+        new_lens = prefix + real.long().sum(1)
+        if not torch.compiler.is_compiling():
+            if int(new_lens.max()) > capacity:
+                raise ValueError(f"MLAPagedCache(static=True) holds {capacity} tokens per row "
+                                 f"(max_cache_len={self.max_cache_len}); this forward needs {int(new_lens.max())}")
+        else:  # no host sync inside a graph: a device-side assert instead of silently clamped slots
+            torch._assert_async(new_lens.max() <= capacity,
+                                "MLAPagedCache(static=True): the forward needs more tokens than max_cache_len")
+        col = torch.div(positions.clamp(0, capacity - 1), bs, rounding_mode="floor")
+        block = self.block_tables.long().gather(1, col)
+        slots = torch.where(real, block * bs + positions.clamp(min=0) % bs, -1)
+        has_prefix = real.shape[1] > 1 and self._prefilled  # decode never reads the host flag
+        return ForwardPlan(slot_mapping=slots.view(-1), real=real, prefix_lens=prefix, seq_lens=new_lens,
+                           block_tables=self.block_tables, has_prefix=has_prefix)
+
+    # ------------------------------------------------------------------------- Cache interface
+    def get_seq_length(self, layer_idx: int = 0):
+        if self.static:
+            return self._seen_tensor if self._seen_tensor is not None else 0
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return self.layers[0].get_max_length()
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size if self._batch_size is not None else -1
+
+    def reset(self) -> None:
+        if self.seq_lens is not None:
+            self.seq_lens.zero_()
+        if self._seen_tensor is not None:
+            self._seen_tensor.zero_()
+        self._seen, self._prefilled, self.plan = 0, False, None
+        if not self.static and self._batch_size is not None:
+            for blocks in self._blocks_host:
+                self._free += blocks[::-1]
+            self._blocks_host = [[] for _ in range(self._batch_size)]
+            self._lens_host = [0] * self._batch_size
+
+    def reorder_cache(self, beam_idx) -> None:
+        _unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens of every row (transformers' crop convention: a
+        negative count). Meant for tokens appended by decoding, which are real in every row; freed
+        blocks go back to the free list."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or self.seq_lens is None:
+            return
+        self.seq_lens.sub_(n).clamp_(min=0)
+        self._seen = max(0, self._seen - n)
+        if self.static:
+            self._seen_tensor.sub_(n).clamp_(min=0)
+            return
+        self._lens_host = [max(0, length - n) for length in self._lens_host]
+        for row, length in enumerate(self._lens_host):
+            keep = math.ceil(length / self.block_size)
+            self._free += self._blocks_host[row][keep:][::-1]
+            del self._blocks_host[row][keep:]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        _unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        _unsupported("batch_select_indices")
+
+    def memory_report(self) -> dict:
+        """Bytes held by the cache. `bytes_per_token_per_layer` counts the blocks assigned to rows
+        divided by the tokens they hold (so it is the 1152 B payload in bf16 V2-Lite plus at most
+        one partly filled block per row); `pool_bytes` is everything allocated, free blocks included."""
+        if self.layers[0].keys is None:
+            return {"tokens": 0, "pool_bytes": 0, "assigned_bytes": 0, "bytes_per_token_per_layer": 0.0}
+        per_slot = sum(t[0, 0].numel() * t.element_size() for t in (self.layers[0].keys, self.layers[0].values))
+        lens = self.seq_lens.tolist()
+        if self.static:
+            assigned_blocks = len(lens) * self.blocks_per_row
+        else:
+            assigned_blocks = sum(len(b) for b in self._blocks_host)
+        pool = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        assigned = assigned_blocks * self.block_size * per_slot * self.num_layers
+        tokens = sum(lens)
+        return {
+            "tokens": tokens, "layers": self.num_layers, "block_size": self.block_size,
+            "payload_bytes_per_token_per_layer": per_slot, "pool_bytes": pool, "assigned_bytes": assigned,
+            "bytes_per_token_per_layer": assigned / tokens / self.num_layers if tokens else float("nan"),
+        }
+
+
+def cache_bytes_per_token_per_layer(cache, tokens: int) -> float:
+    """Cache bytes per token and layer: an MLAPagedCache's assigned blocks (its memory_report), or
+    everything a dense transformers cache holds for `tokens` tokens."""
+    if isinstance(cache, MLAPagedCache):
+        return cache.memory_report()["bytes_per_token_per_layer"]
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    return held / tokens / len(cache.layers)
