@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.mla-ops-installed
 # Never let torch_npu auto-load on a machine without CANN (it breaks `import torch`).
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 
-.PHONY: venv test test-fast demo clean
+.PHONY: venv test test-fast lint demo clean
 
 $(STAMP): requirements.txt setup.py pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,12 +19,16 @@ $(STAMP): requirements.txt setup.py pyproject.toml
 
 venv: $(STAMP)
 
+# Two pytest-xdist workers (one per core; each runs torch single-threaded, see tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
-# Everything except the PyPTO simulator tests (seconds instead of minutes).
+# The op-level tests only: no PyPTO simulator, no whole-model or compile test (about a minute).
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not pypto"
+	$(PY) -m pytest -n 2 -m "not pypto and not slow"
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 # The original inference script on the built-in model (fused KV prolog, graph mode), then a short
 # baseline-vs-fused benchmark. Outputs go to out/ (ignored by git).

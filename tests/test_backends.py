@@ -13,7 +13,7 @@ from mla_ops.backends.npu import use_fused_kv_prolog
 
 from utils import LITE, SMALL, paged_case, prolog_inputs, prolog_kwargs
 
-REASONS = pypto_runtime.unsupported_reasons()
+REASONS = pypto_runtime.unavailable_reasons()
 needs_pypto = pytest.mark.skipif(bool(REASONS), reason="; ".join(REASONS) or "pypto 0.2.0 available")
 
 

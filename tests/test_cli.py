@@ -10,6 +10,8 @@ import torch
 
 from mla_ops.cli import main
 
+from utils import MlaCalls
+
 ENV = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", HF_HUB_OFFLINE="1")
 ENV.pop("MODEL_PATH", None)
 REPORT_FIELDS = {"load_seconds", "load_peak_memory_mb", "tokenize_seconds", "generation_seconds", "generated_tokens",
@@ -71,29 +73,35 @@ def expected_mla_calls(flags, layers=2, forwards=5):
     return calls
 
 
+ASK_FP32 = ["ask", "--output_length", "5", "--min-output-length", "5", "--dtype", "fp32", "--no-stream"]
+
+
+@pytest.fixture(scope="module")
+def baseline_answer(tmp_path_factory):
+    """The stock model's answer, computed once for every flag combination to compare with."""
+    report_file = tmp_path_factory.mktemp("baseline") / "base.json"
+    assert main([*ASK_FP32, "--report-file", str(report_file)]) == 0
+    return json.loads(report_file.read_text())["answer"]
+
+
 @pytest.mark.parametrize("flags", FLAG_SETS)
-def test_ask_every_cpu_flag_combination(flags, tmp_path, capsys):
+def test_ask_every_cpu_flag_combination(flags, baseline_answer, tmp_path, capsys):
     """In-process (the subprocess path is covered above): same tokens as the baseline, since every
     mla path reproduces stock transformers' greedy tokens on this model (fp32 to rule out bf16 ties),
     and (eager runs) exactly the mla ops each flag routes."""
-    from test_model_patch import MlaCalls
-
     report_file = tmp_path / "r.json"
     torch._dynamo.reset()  # one process runs many graph-mode asks here; a CLI run compiles once
-    common = ["ask", "--output_length", "5", "--min-output-length", "5", "--dtype", "fp32", "--no-stream"]
     if "--use_acl_graph" in flags:  # Dynamo does not compile under an active dispatch mode: no counting
         torch._dynamo.utils.counters.clear()
-        assert main([*common, *flags, "--report-file", str(report_file)]) == 0
+        assert main([*ASK_FP32, *flags, "--report-file", str(report_file)]) == 0
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "graph mode compiled nothing"
     else:
         with MlaCalls() as calls:
-            assert main([*common, *flags, "--report-file", str(report_file)]) == 0
+            assert main([*ASK_FP32, *flags, "--report-file", str(report_file)]) == 0
         assert calls.counts == expected_mla_calls(flags)
     report = json.loads(report_file.read_text())
     assert report["generated_tokens"] == 5
-    assert main([*common, "--report-file", str(tmp_path / "base.json")]) == 0
-    baseline = json.loads((tmp_path / "base.json").read_text())
-    assert report["answer"] == baseline["answer"]
+    assert report["answer"] == baseline_answer
     if "--use_acl_graph" in flags:
         assert report["graph_compile_seconds"] > 0
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig, StaticCache
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
@@ -10,6 +9,7 @@ import mla_ops
 from mla_ops.integrations import transformers as patch
 
 from models import build_model, lite_attn_config, tiny_config
+from utils import MlaCalls, random_prompt
 
 CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -19,37 +19,11 @@ ORIGINAL_ATTENTION_FORWARD = hf.DeepseekV2Attention.forward
 ORIGINAL_RMSNORM_FORWARD = hf.DeepseekV2RMSNorm.forward
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_patches():
-    yield
-    patch.revert()
-    assert hf.DeepseekV2Attention.forward is ORIGINAL_ATTENTION_FORWARD
-
-
-class MlaCalls(TorchDispatchMode):
-    """Counts torch.ops.mla.* calls that reach the dispatcher."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "mla":
-            name = func.overloadpacket.__name__
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-def _prompt(config, batch=1, length=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, config.vocab_size, (batch, length), generator=g)
-
-
 @pytest.mark.parametrize("config_name,dtype_name,attn", MATRIX, ids=MATRIX_IDS)
 def test_prefill_logits_bit_identical(config_name, dtype_name, attn):
     config = CONFIGS[config_name]()
     model = build_model(config, DTYPES[dtype_name], attn)
-    ids = _prompt(config, batch=2, length=19)
+    ids = random_prompt(config, batch=2, length=19)
     with torch.no_grad():
         expected = model(ids).logits
         with patch.apply(model), MlaCalls() as calls:
@@ -68,7 +42,7 @@ def test_decode_logits_16_steps(config_name, dtype_name, attn):
     ulp as the cache grows), so the prompt + 16 steps stays at 32 tokens."""
     config = CONFIGS[config_name]()
     model = build_model(config, DTYPES[dtype_name], attn)
-    ids = _prompt(config, length=16)
+    ids = random_prompt(config, length=16)
     kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, output_logits=True,
                   return_dict_in_generate=True)
     with torch.no_grad():
@@ -87,13 +61,13 @@ def test_decode_logits_16_steps(config_name, dtype_name, attn):
 def test_greedy_generate_32_tokens_and_padded_batch(config_name, dtype_name):
     config = CONFIGS[config_name]()
     model = build_model(config, DTYPES[dtype_name], "sdpa")
-    single = _prompt(config, length=12)
+    single = random_prompt(config, length=12)
     # three prompts of different lengths, left-padded like a tokenizer for generation would
     lengths = [12, 5, 9]
     batch = torch.full((3, 12), config.pad_token_id)
     mask = torch.zeros(3, 12, dtype=torch.long)
     for i, n in enumerate(lengths):
-        batch[i, 12 - n:] = _prompt(config, length=n, seed=i + 1)[0]
+        batch[i, 12 - n:] = random_prompt(config, length=n, seed=i + 1)[0]
         mask[i, 12 - n:] = 1
     gen = dict(do_sample=False, pad_token_id=config.pad_token_id)
     with torch.no_grad():
@@ -110,7 +84,7 @@ def test_greedy_generate_32_tokens_and_padded_batch(config_name, dtype_name):
 def test_instance_scope_class_scope_and_revert():
     config = tiny_config()
     patched, other = build_model(config), build_model(config)
-    ids = _prompt(config)
+    ids = random_prompt(config)
     with torch.no_grad():
         expected = other(ids).logits
     handle = patch.apply(patched)
@@ -157,7 +131,7 @@ def test_instance_scope_class_scope_and_revert():
 def test_rope_and_rms_norm_options_route_their_ops(dtype_name):
     config = lite_attn_config()
     model = build_model(config, DTYPES[dtype_name], "sdpa")
-    ids = _prompt(config, batch=2, length=7)
+    ids = random_prompt(config, batch=2, length=7)
     with torch.no_grad():
         expected = model(ids).logits
         with patch.apply(model, kv_prolog=False, rope=True, rms_norm=True), MlaCalls() as calls:
@@ -174,7 +148,7 @@ def test_rope_and_rms_norm_options_route_their_ops(dtype_name):
 def test_static_cache_fullgraph_compile_has_kv_prolog_and_matches_stock():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=8)
+    ids = random_prompt(config, length=8)
 
     def greedy(step_fn, cache, steps=6):
         tokens, out = ids, []
@@ -215,7 +189,7 @@ def test_static_cache_fullgraph_compile_has_kv_prolog_and_matches_stock():
 def test_generate_with_static_cache_and_compile_config():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=8)
+    ids = random_prompt(config, length=8)
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=6, do_sample=False)
         compile_config = CompileConfig(fullgraph=True, dynamic=False)
@@ -237,7 +211,7 @@ def test_patched_model_still_trains():
     stock, patched = build_model(config), build_model(config)
     stock.train()
     patched.train()
-    ids = _prompt(config, batch=2, length=10)
+    ids = random_prompt(config, batch=2, length=10)
     stock(ids, labels=ids).loss.backward()
     with patch.apply(patched, rms_norm=True, rope=True):
         loss = patched(ids, labels=ids).loss

@@ -9,12 +9,6 @@ import remote_deepseek_v2 as remote
 from models import lite_attn_config, tiny_config
 
 
-@pytest.fixture(autouse=True)
-def _revert():
-    yield
-    patch.revert()
-
-
 def _stack(config, dtype, seed=0):
     torch.manual_seed(seed)
     stack = remote.RemoteCodeLayerStack(config).to(dtype).eval()

@@ -1,7 +1,6 @@
 """`apply(model, cache="paged")`: the paged latent cache + absorbed decode against stock transformers."""
 import pytest
 import torch
-from test_model_patch import MlaCalls, _prompt
 from transformers import CompileConfig, DynamicCache
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
@@ -9,17 +8,10 @@ from mla_ops.integrations import transformers as patch
 from mla_ops.integrations.transformers import MLAPagedCache
 
 from models import build_model, lite_attn_config, tiny_config
+from utils import MlaCalls, random_prompt
 
 CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
 STOCK_MODEL_FORWARD = hf.DeepseekV2Model.forward
-
-
-@pytest.fixture(autouse=True)
-def _revert():
-    yield
-    patch.revert()
-    assert hf.DeepseekV2Model.forward is STOCK_MODEL_FORWARD
-    assert "_prepare_cache_for_generation" not in hf.DeepseekV2ForCausalLM.__dict__
 
 
 def _greedy(**extra):
@@ -30,7 +22,7 @@ def _greedy(**extra):
 def test_greedy_tokens_identical_to_stock_fp32(config_name):
     config = CONFIGS[config_name]()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=20)
+    ids = random_prompt(config, length=20)
     with torch.no_grad():
         expected = model.generate(ids, **_greedy(max_new_tokens=24, min_new_tokens=24))
         with patch.apply(model, cache="paged"), MlaCalls() as calls:
@@ -69,7 +61,7 @@ def test_bf16_logits_within_tolerance_of_stock():
     config = lite_attn_config(first_k_dense_replace=2)  # both layers dense MLPs, no MoE routing
     model = build_model(config, torch.bfloat16, "sdpa")
     reference = build_model(config, torch.float32, "sdpa")  # same seed: the fp32 weights bf16 rounds
-    tokens = _prompt(config, length=40)
+    tokens = random_prompt(config, length=40)
     with torch.no_grad():
         fp32 = _teacher_forced_logits(reference, tokens, 24)
         expected = _teacher_forced_logits(model, tokens, 24)
@@ -87,7 +79,7 @@ def test_bf16_logits_within_tolerance_of_stock():
 def test_padded_batch_equals_one_at_a_time():
     config = lite_attn_config()
     model = build_model(config, torch.float32, "sdpa")
-    prompts = [_prompt(config, length=n, seed=s)[0] for s, n in enumerate((12, 5, 9))]
+    prompts = [random_prompt(config, length=n, seed=s)[0] for s, n in enumerate((12, 5, 9))]
     batch = torch.full((3, 12), config.pad_token_id)
     mask = torch.zeros(3, 12, dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -108,8 +100,8 @@ def test_prompt_continued_in_two_generate_calls():
     on top of a cached prefix: mla.gather_pa_kv_cache) equals stock on the whole text."""
     config = lite_attn_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=10)
-    turn = _prompt(config, length=6, seed=5)
+    ids = random_prompt(config, length=10)
+    turn = random_prompt(config, length=6, seed=5)
     with torch.no_grad():
         with patch.apply(model, cache="paged"):
             one = model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12)
@@ -131,7 +123,7 @@ def test_cache_memory_is_the_latent():
     """bf16, V2-Lite dims: 576 values = 1152 B per token and layer, within one block of it."""
     config = lite_attn_config()
     model = build_model(config, torch.bfloat16, "sdpa")
-    ids = _prompt(config, length=150)
+    ids = random_prompt(config, length=150)
     with torch.no_grad(), patch.apply(model, cache="paged"):
         out = model(ids, use_cache=True)
     report = out.past_key_values.memory_report()
@@ -144,7 +136,7 @@ def test_cache_memory_is_the_latent():
 def test_dynamic_pool_grows_block_by_block():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=5)
+    ids = random_prompt(config, length=5)
     with torch.no_grad():
         expected = model.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
         with patch.apply(model, cache="paged"):
@@ -157,7 +149,7 @@ def test_dynamic_pool_grows_block_by_block():
 def test_sampling_matches_stock_under_the_same_seed():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=8)
+    ids = random_prompt(config, length=8)
     gen = dict(do_sample=True, top_k=20, temperature=0.9, max_new_tokens=16, min_new_tokens=16)
     with torch.no_grad():
         torch.manual_seed(7)
@@ -171,7 +163,7 @@ def test_sampling_matches_stock_under_the_same_seed():
 def test_beam_search_and_other_caches():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=6)
+    ids = random_prompt(config, length=6)
     with torch.no_grad(), patch.apply(model, cache="paged"):
         with pytest.raises(NotImplementedError, match="does not support beam search"):
             model.generate(ids, num_beams=2, max_new_tokens=3)
@@ -187,7 +179,7 @@ def test_beam_search_and_other_caches():
 def test_static_cache_decode_compiles_fullgraph_and_matches_eager():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=8)
+    ids = random_prompt(config, length=8)
 
     def greedy(forward, cache, steps=6):
         pos = torch.arange(ids.shape[1])
@@ -234,7 +226,7 @@ def test_static_cache_decode_compiles_fullgraph_and_matches_eager():
 
 def test_class_level_paged_patch():
     config = tiny_config()
-    ids = _prompt(config, length=6)
+    ids = random_prompt(config, length=6)
     with patch.apply(cache="paged"):
         model = build_model(config)
         with torch.no_grad():
@@ -251,14 +243,14 @@ def test_static_cache_overflow_is_a_clear_error():
     with torch.no_grad(), patch.apply(model, cache="paged"):
         cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=8, block_size=4)
         with pytest.raises(ValueError, match=r"holds 8 tokens per row \(max_cache_len=8\); this forward needs 10"):
-            model(_prompt(config, length=10), cache=cache, use_cache=True)
+            model(random_prompt(config, length=10), cache=cache, use_cache=True)
 
 
 def test_dynamic_cache_under_compile_is_a_clear_error():
     """The dynamic pool allocates blocks on the host: compiling it must fail naming the fix."""
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=6)
+    ids = random_prompt(config, length=6)
     torch._dynamo.reset()
     with torch.no_grad(), patch.apply(model, cache="paged"):
         with pytest.raises(Exception, match=r"MLAPagedCache\(static=False\).*static=True"):
@@ -271,7 +263,7 @@ def test_chunked_prefill_equals_stock_on_the_whole_text(static):
     decoded: every logit equals stock's forward over the whole text, to fp32 rounding."""
     config = lite_attn_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=23)
+    ids = random_prompt(config, length=23)
     chunks = [(0, 9), (9, 14), (14, 20), (20, 21), (21, 22), (22, 23)]  # three prefills, three decode steps
     with torch.no_grad():
         expected = model(ids).logits
@@ -289,7 +281,7 @@ def test_weights_changed_after_decoding_are_picked_up():
     fp32 copies would fail the bf16 bmm outright)."""
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=8)
+    ids = random_prompt(config, length=8)
     gen = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad(), patch.apply(model, cache="paged"):
         model.generate(ids, **gen)
@@ -315,7 +307,7 @@ def test_reapplying_with_other_options_replaces_the_patch():
     """apply() on an already patched model: the newest options win, and one revert restores stock."""
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=6)
+    ids = random_prompt(config, length=6)
     with torch.no_grad():
         patch.apply(model, cache="paged")
         assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
@@ -335,7 +327,7 @@ def test_reapplying_with_other_options_replaces_the_patch():
 def test_num_return_sequences_sampling_matches_stock():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=7)
+    ids = random_prompt(config, length=7)
     gen = dict(do_sample=True, top_k=20, num_return_sequences=2, max_new_tokens=10, min_new_tokens=10,
                return_dict_in_generate=True)
     with torch.no_grad():
@@ -353,7 +345,7 @@ def test_training_step_under_the_paged_patch_equals_stock():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
     model.train()
-    ids = _prompt(config, batch=2, length=9)
+    ids = random_prompt(config, batch=2, length=9)
 
     def loss_and_grads():
         model.zero_grad()
@@ -387,7 +379,7 @@ def test_crop_then_continue_equals_stock():
     stock generation from the same text."""
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
-    ids = _prompt(config, length=6)
+    ids = random_prompt(config, length=6)
     gen = dict(do_sample=False, min_new_tokens=5, max_new_tokens=5)
     with torch.no_grad():
         with patch.apply(model, cache="paged"):
@@ -406,7 +398,7 @@ def test_crop_then_continue_equals_stock():
 def test_class_level_paged_revert_frees_the_absorbed_weights():
     """The decode path's W_UK / W_UV copies (one kv_b_proj's worth per layer) go with the patch."""
     config = tiny_config()
-    ids = _prompt(config, length=6)
+    ids = random_prompt(config, length=6)
     with patch.apply(cache="paged"):
         model = build_model(config)
         with torch.no_grad():
@@ -425,7 +417,7 @@ def test_instance_dense_patch_under_a_class_level_paged_patch():
     """A model-level dense patch inside a class-level paged one: the class-level model hook still
     makes an MLAPagedCache, and the attention serves it by its type, with stock's tokens."""
     config = tiny_config()
-    ids = _prompt(config, length=6)
+    ids = random_prompt(config, length=6)
     gen = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6)
     model = build_model(config)
     with torch.no_grad():

@@ -26,7 +26,7 @@ from mla_ops.ops.kv_prolog import latent_stage
 
 from utils import gather_loop_reference
 
-REASONS = sim.unsupported_reasons()
+REASONS = sim.unavailable_reasons()
 needs_pypto = pytest.mark.skipif(bool(REASONS), reason="; ".join(REASONS) or "pypto 0.2.0 available")
 
 V2_LITE = dict(num_heads=16, qk_nope_head_dim=128, v_head_dim=128)
@@ -430,17 +430,17 @@ def test_version_guard_refuses_other_pypto(monkeypatch):
 
     try:
         monkeypatch.setattr(compat, "installed_pypto_version", lambda: "0.3.0")
-        compat.unsupported_reasons.cache_clear()
+        compat.unavailable_reasons.cache_clear()
         with pytest.raises(RuntimeError, match=r"pypto 0\.3\.0 is installed.*exactly pypto 0\.2\.0"):
             sim.ensure_supported()
-        assert "pypto 0.3.0" in compat.unsupported_reasons()[0]
+        assert "pypto 0.3.0" in compat.unavailable_reasons()[0]
         monkeypatch.setattr(compat, "installed_pypto_version", lambda: None)
-        compat.unsupported_reasons.cache_clear()
+        compat.unavailable_reasons.cache_clear()
         with pytest.raises(RuntimeError, match=r"pypto 0\.2\.0 not installed"):
             sim.ensure_supported()
     finally:
         monkeypatch.undo()
-        compat.unsupported_reasons.cache_clear()
+        compat.unavailable_reasons.cache_clear()
 
 
 def test_the_version_check_is_not_paid_per_call():
@@ -448,15 +448,15 @@ def test_the_version_check_is_not_paid_per_call():
     metadata costs about half a millisecond, so the answer is computed once."""
     from mla_ops.pypto_runtime import compat
 
-    compat.unsupported_reasons()
+    compat.unavailable_reasons()
     before = compat.installed_pypto_version.cache_info().misses
     for _ in range(5):
-        compat.unsupported_reasons()
+        compat.unavailable_reasons()
     assert compat.installed_pypto_version.cache_info().misses == before
 
 
 def test_importing_the_package_does_not_import_pypto():
-    code = ("import sys, mla_ops, mla_ops.pypto_runtime as rt; rt.unsupported_reasons(); "
+    code = ("import sys, mla_ops, mla_ops.pypto_runtime as rt; rt.unavailable_reasons(); "
             "from mla_ops.kernels.pypto import gather_pa_kv_cache as g; g.select_gather_tile_config(1, 512, 1, 64); "
             "from mla_ops.bench import npu_sim; "
             "assert 'pypto' not in sys.modules, 'pypto imported'")

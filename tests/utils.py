@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 from torch.library import opcheck as _opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ALL_OPCHECK_TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -141,3 +142,22 @@ def materialized_decode_reference(q_latent, q_pe, key_cache, value_cache, block_
         scores = (q_latent[b].double() @ latent.T + q_pe[b].double() @ k_pe.T) * scale
         out.append(torch.softmax(scores, -1) @ latent)
     return torch.stack(out)
+
+
+class MlaCalls(TorchDispatchMode):
+    """Counts torch.ops.mla.* calls that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "mla":
+            name = func.overloadpacket.__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def random_prompt(config, batch=1, length=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, config.vocab_size, (batch, length), generator=g)

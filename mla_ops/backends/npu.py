@@ -23,6 +23,9 @@ import torch.nn.functional as F
 
 from .._checks import HALF_DTYPES
 from .._optional import has_module
+from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache as pypto_gather
+from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache_not_supported_reasons
+from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2
 from ..ops.gather_pa_kv_cache import functional_gather
 from ..ops.kv_prolog import expand_latent
 from ..ops.rope import rope_math
@@ -74,8 +77,6 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
     tokens = hidden_states.shape[0] * hidden_states.shape[1]
     fused = hidden_states.dtype in HALF_DTYPES and use_fused_kv_prolog(tokens, settings.npu_fused_max_tokens)
     if fused:
-        from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2
-
         stage2 = functools.partial(kv_prolog_stage2, mode="npu")
     else:
         stage2 = _baseline_stage2
@@ -86,8 +87,6 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
 
 def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
                     is_seq_lens_cumsum=False):
-    from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache_not_supported_reasons
-
     return gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_tables, seq_lens, key, value,
                                                     seq_offset=seq_offset, is_seq_lens_cumsum=is_seq_lens_cumsum,
                                                     mode="npu")
@@ -98,8 +97,6 @@ def gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, valu
                        is_seq_lens_cumsum=False):
     """The PyPTO gather (no host sync: values are validated only through the Python helpers'
     validate=True; the kernel clamps out-of-range ids instead of reading out of bounds)."""
-    from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache as pypto_gather
-
     pypto_gather(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
                  is_seq_lens_cumsum=is_seq_lens_cumsum, mode="npu")
 

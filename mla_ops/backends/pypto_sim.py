@@ -18,6 +18,11 @@ from typing import Optional
 import torch
 
 from .. import pypto_runtime
+from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache as pypto_gather
+from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache_not_supported_reasons
+from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2, kv_prolog_stage2_not_supported_reasons
+from ..kernels.pypto.scatter_pa_kv_cache import scatter_pa_kv_cache as pypto_scatter
+from ..kernels.pypto.scatter_pa_kv_cache import scatter_pa_kv_cache_not_supported_reasons
 from ..ops.gather_pa_kv_cache import check_gather_values, functional_gather
 from ..ops.kv_prolog import latent_stage
 from ..ops.scatter_pa_kv_cache import check_scatter_values
@@ -26,7 +31,7 @@ from .staged_kv_prolog import staged_kv_prolog
 
 
 def _unavailable() -> Optional[str]:
-    return "; ".join(pypto_runtime.unsupported_reasons()) or None
+    return "; ".join(pypto_runtime.unavailable_reasons()) or None
 
 
 PYPTO_SIM = Backend("pypto_sim", "PyPTO kernels run on CPU by pypto 0.2.0's simulator with pass verification "
@@ -41,8 +46,6 @@ def _reference_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps
 def _kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
                        qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
     """The stage-2 kernel's reasons, judged on zero-memory stand-ins shaped like its inputs."""
-    from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2_not_supported_reasons
-
     tokens = hidden_states.shape[0] * hidden_states.shape[1]
     lora = kv_norm_weight.shape[0]
     rope_dim = kv_a_weight.shape[0] - lora
@@ -60,8 +63,6 @@ def _kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv
 @PYPTO_SIM.kernel("kv_prolog", reasons=_kv_prolog_reasons)
 def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
               qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
-    from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2
-
     return staged_kv_prolog(_reference_stage1, functools.partial(kv_prolog_stage2, mode="sim"), hidden_states,
                             kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, num_heads=num_heads,
                             qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, eps=eps,
@@ -70,8 +71,6 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
 
 def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
                     is_seq_lens_cumsum=False):
-    from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache_not_supported_reasons
-
     return gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_tables, seq_lens, key, value,
                                                     seq_offset=seq_offset, is_seq_lens_cumsum=is_seq_lens_cumsum,
                                                     mode="sim")
@@ -80,8 +79,6 @@ def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, 
 @PYPTO_SIM.kernel("gather_pa_kv_cache", reasons=_gather_reasons)
 def gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
                        is_seq_lens_cumsum=False):
-    from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache as pypto_gather
-
     check_gather_values("gather_pa_kv_cache", key_cache, block_tables, seq_lens, key.shape[0], seq_offset,
                         is_seq_lens_cumsum)
     pypto_gather(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
@@ -92,14 +89,10 @@ PYPTO_SIM.kernel("gather_pa_kv_cache_functional", reasons=_gather_reasons)(funct
 
 
 def _scatter_reasons(key, value, key_cache, value_cache, slot_mapping):
-    from ..kernels.pypto.scatter_pa_kv_cache import scatter_pa_kv_cache_not_supported_reasons
-
     return scatter_pa_kv_cache_not_supported_reasons(key, value, key_cache, value_cache, slot_mapping, mode="sim")
 
 
 @PYPTO_SIM.kernel("scatter_pa_kv_cache", reasons=_scatter_reasons)
 def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
-    from ..kernels.pypto.scatter_pa_kv_cache import scatter_pa_kv_cache as pypto_scatter
-
     check_scatter_values(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
     pypto_scatter(key, value, key_cache, value_cache, slot_mapping, mode="sim")

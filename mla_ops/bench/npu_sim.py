@@ -404,7 +404,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.10, help="allowed growth over the record")
     parser.add_argument("--stage2-sweep", action="store_true", help="print the stage-2 tiling sweep table")
     args = parser.parse_args(argv)
-    reasons = pypto_runtime.unsupported_reasons()
+    reasons = pypto_runtime.unavailable_reasons()
     if reasons:
         print("PyPTO simulation unavailable: " + "; ".join(reasons), file=sys.stderr)
         return 2

@@ -55,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights (default: 0)")
     ops = parser.add_argument_group("mla ops (the original flags)")
     ops.add_argument("--use_pto", "--use-pto", dest="use_pto", action="store_true",
-                     help="RMSNorm through torch.ops.mla.rms_norm")
+                     help="route every DeepseekV2RMSNorm (input, post-attention, final and kv_a norms) through "
+                          "torch.ops.mla.rms_norm. The name is the original script's, where it selected its PyPTO "
+                          "RMSNorm kernel; here it routes RMSNorm through the mla op on any device (the op's "
+                          "backend decides the kernel). It does not route the KV prolog: that is --use_kv_fusion")
     ops.add_argument("--use_rope", "--use-rope", dest="use_rope", action="store_true",
                      help="RoPE of q_pe (and k_pe) through torch.ops.mla.rope")
     ops.add_argument("--use_kv_fusion", "--use-kv-fusion", dest="use_kv_fusion", action="store_true",

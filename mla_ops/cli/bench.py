@@ -149,7 +149,7 @@ def _run_npu_sim(args, meta: dict) -> dict:
     from ..bench import npu_sim
     from ..bench.timing import format_table
 
-    reasons = pypto_runtime.unsupported_reasons()
+    reasons = pypto_runtime.unavailable_reasons()
     if reasons:
         raise CliError(f"bench npu-sim needs pypto's simulator: {'; '.join(reasons)}")
     rows = npu_sim.measure(quick=args.quick)

@@ -43,12 +43,12 @@ Modules: `compat` (the supported pypto version and the one private-method fix), 
 verify calculator's build cache), `verify_log` (verdicts and simulated time), `runner` (running and
 launching a kernel).
 """
-from .compat import SUPPORTED_PYPTO_VERSION, ensure_supported, installed_pypto_version, plog_root, unsupported_reasons
+from .compat import SUPPORTED_PYPTO_VERSION, ensure_supported, installed_pypto_version, plog_root, unavailable_reasons
 from .runner import MODES, check_mode, device_reasons, jit_kwargs, last_result, launch, pypto_dtype, run_kernel
 from .verify_log import SimResult, SimVerificationError, parse_verify_lines, sim_aicore_e2e_us, sim_total_cycles
 
 __all__ = [
     "SUPPORTED_PYPTO_VERSION", "MODES", "SimResult", "SimVerificationError", "check_mode", "device_reasons",
     "ensure_supported", "installed_pypto_version", "jit_kwargs", "last_result", "launch", "parse_verify_lines",
-    "plog_root", "pypto_dtype", "run_kernel", "sim_aicore_e2e_us", "sim_total_cycles", "unsupported_reasons",
+    "plog_root", "pypto_dtype", "run_kernel", "sim_aicore_e2e_us", "sim_total_cycles", "unavailable_reasons",
 ]

@@ -41,7 +41,7 @@ def installed_pypto_version() -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def unsupported_reasons() -> tuple[str, ...]:
+def unavailable_reasons() -> tuple[str, ...]:
     """Why the PyPTO kernels cannot run here (empty = they can). Does not import pypto; cached."""
     ver = installed_pypto_version()
     if ver is None:
@@ -79,7 +79,7 @@ def ensure_supported() -> None:
     Idempotent and thread-safe. Raises RuntimeError (naming the installed version and the fix) unless
     the installed pypto is exactly 0.2.0.
     """
-    reasons = unsupported_reasons()
+    reasons = unavailable_reasons()
     if reasons:
         raise RuntimeError("mla_ops PyPTO simulation unavailable: " + "; ".join(reasons) + ".")
     with _SETUP_LOCK:

@@ -46,7 +46,7 @@ from .modeling import (
     is_rms_norm,
     native_module,
 )
-from .patching import _ACTIVE, PatchHandle, _forget_deleted_models
+from .patching import PatchHandle, open_handle
 
 CACHE_MODES = ("dense", "paged")
 
@@ -84,11 +84,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
     # Everything that can refuse this model is checked before the previous patch is touched.
     targets = None if model is None else _instance_targets(model, options)
     scope = "classes" if model is None else weakref.ref(model)
-    _forget_deleted_models()
-    for previous in [h for h in _ACTIVE if h._same_scope(scope)]:
-        previous.revert()
-    handle = PatchHandle(options, scope)
-    _ACTIVE.append(handle)
+    handle = open_handle(options, scope)
     try:
         _patch(handle, model, targets, options)
     except BaseException:

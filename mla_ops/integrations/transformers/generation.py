@@ -8,8 +8,8 @@ import weakref
 import torch
 
 from .modeling import native_module
-from .paged_attention import _ABSORBED_OWNERS, drop_absorbed_weights
-from .paged_cache import MLAPagedCache, _unsupported
+from .paged_attention import drop_absorbed_weights, track_absorbed_owners
+from .paged_cache import MLAPagedCache, unsupported
 from .patching import stock_attr
 
 
@@ -53,7 +53,7 @@ def _prepare_cache_with_paged(original):
         if made is None or getattr(made, "_is_user_defined", False) or isinstance(made, MLAPagedCache):
             return result
         if generation_config.num_beams > 1:
-            _unsupported("beam search (num_beams > 1)")
+            unsupported("beam search (num_beams > 1)")
         static = generation_config.cache_implementation == "static"
         if static and generation_config.max_cache_len is not None:  # as transformers sizes StaticCache
             max_cache_length = max(max_cache_length, generation_config.max_cache_len)
@@ -62,7 +62,7 @@ def _prepare_cache_with_paged(original):
         # sizes its own caches)
         rows = batch_size * max(1, generation_config.num_return_sequences or 1)
         # a compiled decode makes the absorbed copies inside the trace: register their owners here
-        _ABSORBED_OWNERS.update(m for m in self.modules() if hasattr(m, "kv_b_proj"))
+        track_absorbed_owners(m for m in self.modules() if hasattr(m, "kv_b_proj"))
         model_kwargs["cache"] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
                                               static=static, dtype=self.dtype, device=self.device)
         return result

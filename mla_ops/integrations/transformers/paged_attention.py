@@ -22,6 +22,12 @@ from .paged_cache import ForwardPlan, MLAPagedLayer
 _ABSORBED_OWNERS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
+def track_absorbed_owners(modules) -> None:
+    """Remember `modules` as owners of absorbed copies, so a revert frees what a compiled decode
+    (which makes them inside the trace, where nothing can be registered) left on them."""
+    _ABSORBED_OWNERS.update(modules)
+
+
 def drop_absorbed_weights(modules=None) -> None:
     """Free the absorbed copies of `modules` (any iterable of modules), or of every owner."""
     for module in list(_ABSORBED_OWNERS if modules is None else modules):

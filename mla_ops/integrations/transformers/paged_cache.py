@@ -95,19 +95,19 @@ class MLAPagedLayer(CacheLayerMixin):
         self._cache.reset()
 
     def reorder_cache(self, beam_idx) -> None:
-        _unsupported("beam search (reorder_cache)")
+        unsupported("beam search (reorder_cache)")
 
     def crop(self, tokens_to_remove: int) -> None:
         pass  # the parent cache crops the shared bookkeeping once (Cache.crop calls every layer)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        _unsupported("batch_repeat_interleave")
+        unsupported("batch_repeat_interleave")
 
     def batch_select_indices(self, indices) -> None:
-        _unsupported("batch_select_indices")
+        unsupported("batch_select_indices")
 
 
-def _unsupported(what: str):
+def unsupported(what: str):
     raise NotImplementedError(
         f"MLAPagedCache does not support {what}: rows own their blocks and there is no copy-on-write for "
         f"shared prefixes. Use greedy or sampling generation, or apply(model, cache='dense') for beam search "
@@ -328,7 +328,7 @@ class MLAPagedCache(Cache):
             self._lens_host = [0] * self._batch_size
 
     def reorder_cache(self, beam_idx) -> None:
-        _unsupported("beam search (reorder_cache)")
+        unsupported("beam search (reorder_cache)")
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens of every row (transformers' crop convention: a
@@ -351,10 +351,10 @@ class MLAPagedCache(Cache):
             del self._blocks_host[row][keep:]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        _unsupported("batch_repeat_interleave")
+        unsupported("batch_repeat_interleave")
 
     def batch_select_indices(self, indices) -> None:
-        _unsupported("batch_select_indices")
+        unsupported("batch_select_indices")
 
     def memory_report(self) -> dict:
         """Bytes held by the cache. `bytes_per_token_per_layer` counts the blocks assigned to rows

@@ -121,6 +121,17 @@ def revert() -> None:
         handle.revert()
 
 
+def open_handle(options, scope) -> PatchHandle:
+    """A new active handle for `scope` ("classes" or a weakref to a model), after reverting the
+    handle already active there: the newest options win and patches never stack."""
+    _forget_deleted_models()
+    for previous in [h for h in _ACTIVE if h._same_scope(scope)]:
+        previous.revert()
+    handle = PatchHandle(options, scope)
+    _ACTIVE.append(handle)
+    return handle
+
+
 def _forget_deleted_models() -> None:
     """Drop the handles of models that no longer exist (their patches died with them)."""
     _ACTIVE[:] = [h for h in _ACTIVE if isinstance(h._scope, str) or h._scope() is not None]

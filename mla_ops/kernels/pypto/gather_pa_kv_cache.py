@@ -141,7 +141,7 @@ def gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_table
     ranks, shapes, dtypes, devices): pypto's availability, the mode and device, the cache dtype
     subset and contiguity. Never reads values (block ids in range, monotone cumsum, offsets
     divisible by block_size are the caller's checks)."""
-    reasons = list(runtime.unsupported_reasons())
+    reasons = list(runtime.unavailable_reasons())
     if mode not in runtime.MODES:
         return reasons + [f"mode must be one of {runtime.MODES}, got {mode!r}"]
     tensors = {"key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,

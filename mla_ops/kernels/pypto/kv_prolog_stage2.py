@@ -125,7 +125,7 @@ def kv_prolog_stage2_not_supported_reasons(normed_ckv, k_pe, kv_b_weight, cos, s
     Checks availability (pypto 0.2.0), mode, layout, dtypes, ranks, shapes, devices and contiguity of
     the weight; never reads tensor values.
     """
-    availability = list(runtime.unsupported_reasons())   # reported along with, not instead of, input problems
+    availability = list(runtime.unavailable_reasons())   # reported along with, not instead of, input problems
     reasons: List[str] = []
     if mode not in runtime.MODES:
         reasons.append(f"mode must be one of {runtime.MODES}, got {mode!r}")

@@ -39,7 +39,7 @@ def scatter_pa_kv_cache_not_supported_reasons(key, value, key_cache, value_cache
     """Why this kernel cannot run arguments that passed the op's own check
     (`mla.scatter_pa_kv_cache`): pypto's availability, the mode and device, the cache dtype subset
     and contiguity (slot values are the caller's to validate)."""
-    reasons = list(runtime.unsupported_reasons())
+    reasons = list(runtime.unavailable_reasons())
     if mode not in runtime.MODES:
         return reasons + [f"mode must be one of {runtime.MODES}, got {mode!r}"]
     tensors = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
