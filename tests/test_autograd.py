@@ -1,4 +1,4 @@
-"""Autograd (ARCHITECTURE §3.7): gradcheck in fp64 for the four differentiable ops; a clear error
+"""Autograd: gradcheck in fp64 for the four differentiable ops; a clear error
 for the inference-only ones."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The DeepSeek-V2 model patch (dense mode) against the stock transformers model (ARCHITECTURE §5)."""
+"""The DeepSeek-V2 model patch (dense mode) against the stock transformers model."""
 
 import pytest
 import torch

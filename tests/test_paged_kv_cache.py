@@ -1,6 +1,6 @@
-"""Paged KV-cache ops, bit-exact against a plain Python loop over ARCHITECTURE §3.5.
+"""Paged KV-cache ops, bit-exact against a plain Python loop over their semantics.
 
-Covers the seed's ten sweep levels on the real network cache shapes, the two hand-targeted shapes,
+Covers the ten sweep levels of the original GatherPaKvCache sample on the real network cache shapes, the two hand-targeted shapes,
 both seq_lens modes, tail blocks, nonzero seq_offset, rows no sequence covers, random tables
 (hypothesis), scatter -> gather round trips, and the device (sync-free) code path.
 """
@@ -15,7 +15,7 @@ from mla_ops.ops.scatter_pa_kv_cache import scatter_sync_free
 
 from utils import gather_loop_reference, paged_case, scatter_loop_reference
 
-# The seed's network sweep: Q=4 with these totals, and Q=3 with 44 tokens.
+# The original sample's network sweep (cann/pypto-gym, GatherPaKvCache tests): Q=4 with these totals, and Q=3 with 44 tokens.
 SWEEP_LEVELS = [(4, 6), (4, 27), (4, 31), (4, 35), (4, 39), (4, 43), (4, 47), (4, 51), (4, 55), (3, 44)]
 
 
@@ -31,7 +31,7 @@ def random_bits_cache(*shape, dtype=torch.bfloat16, seed=0):
 
 @pytest.fixture(scope="module")
 def network_caches():
-    """The seed's network shapes: key_cache [5513,128,1,512], value_cache [5513,128,1,64], bf16 (812 MB)."""
+    """The original sample's network shapes: key_cache [5513,128,1,512], value_cache [5513,128,1,64], bf16 (812 MB)."""
     return random_bits_cache(5513, 128, 1, 512, seed=1), random_bits_cache(5513, 128, 1, 64, seed=2)
 
 

@@ -97,7 +97,7 @@ def paged_case(num_blocks: int, block_size: int, lens: list[int], *, key_shape=(
 
 def gather_loop_reference(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=None,
                           is_seq_lens_cumsum=False):
-    """ARCHITECTURE §3.5 written as the plainest possible Python loop (the test oracle)."""
+    """The gather semantics (docs/design.md) written as the plainest possible Python loop (the test oracle)."""
     block_size = key_cache.shape[1]
     key, value = key.clone(), value.clone()
     num_seqs = block_tables.shape[0]

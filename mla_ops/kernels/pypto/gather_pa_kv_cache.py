@@ -1,4 +1,4 @@
-"""Paged KV-cache gather (ARCHITECTURE §3.5, the GatherPaKvCache "Norm"/ND branch) as a PyPTO kernel.
+"""Paged KV-cache gather (`mla::gather_pa_kv_cache`, the GatherPaKvCache "Norm"/ND branch) as a PyPTO kernel.
 
 For each sequence q and each token t < seq_len(q)::
 
@@ -37,7 +37,7 @@ out of bounds whatever the values -- the block-table column to ``[0, C-1]``, the
 ``[0, num_blocks-1]``, a sequence's start to ``>= 0`` and its rows to the output length, negative
 lengths to 0. Clamped values produce wrong data, not an error: the kernel is **not** a line of
 defence. Callers must validate block ids, offsets and lengths first (``mla_ops`` does so in eager
-mode / with ``validate=True``, ARCHITECTURE §2).
+mode / with ``validate=True``).
 """
 
 # No `from __future__ import annotations`: pypto.frontend.jit reads live pypto.Tensor annotations.
@@ -280,7 +280,7 @@ def gather_pa_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, block
                        seq_lens: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                        seq_offset: Optional[torch.Tensor] = None, is_seq_lens_cumsum: bool = False,
                        mode: str = "sim") -> None:
-    """Gather paged cache blocks into contiguous ``key`` / ``value``, in place (ARCHITECTURE §3.5).
+    """Gather paged cache blocks into contiguous ``key`` / ``value``, in place (the semantics of ``mla::gather_pa_kv_cache``).
 
     Args:
         key_cache:    [num_blocks, block_size, Hk, Dk] bf16/fp16/fp32, contiguous ND.

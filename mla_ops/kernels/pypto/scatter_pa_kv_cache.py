@@ -1,4 +1,4 @@
-"""Paged KV-cache scatter (ARCHITECTURE §3.5, ``mla::scatter_pa_kv_cache``) as a PyPTO kernel.
+"""Paged KV-cache scatter (``mla::scatter_pa_kv_cache``) as a PyPTO kernel.
 
 For each token t with ``slot = slot_mapping[t] >= 0``::
 
@@ -108,7 +108,7 @@ def _run(key, value, key_cache, value_cache, slot_mapping, *, mode: str = "sim",
 
 def scatter_pa_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, mode: str = "sim") -> None:
-    """Write each token's key/value row into its cache slot, in place (ARCHITECTURE §3.5).
+    """Write each token's key/value row into its cache slot, in place (the semantics of ``mla::scatter_pa_kv_cache``).
 
     Args:
         key, value:   [T, Hk, Dk] / [T, Hv, Dv], same dtype as the caches.
