@@ -24,6 +24,7 @@ def test_rope_gradcheck(layout, table_shape):
     assert gradcheck(lambda x, c, s: mla_ops.rope(x, c, s, layout=layout), (_f64(2, 5, 3, 8), cos, sin))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kv_prolog_gradcheck(layout, bias):
@@ -34,6 +35,7 @@ def test_kv_prolog_gradcheck(layout, bias):
     assert gradcheck(fn, args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_latent_kv_prolog_gradcheck(layout):
     hidden, kv_a, _, norm_w, _, cos, sin = prolog_inputs(SMALL, torch.float64)

@@ -12,6 +12,9 @@ from mla_ops.cli import main
 
 from utils import MlaCalls
 
+# whole models, generate and compile: `make test-fast` leaves these to `make test`
+pytestmark = pytest.mark.slow
+
 ENV = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", HF_HUB_OFFLINE="1")
 ENV.pop("MODEL_PATH", None)
 REPORT_FIELDS = {"load_seconds", "load_peak_memory_mb", "tokenize_seconds", "generation_seconds", "generated_tokens",
@@ -51,7 +54,7 @@ for pto, rope, kv, graph in itertools.product([False, True], repeat=4):
                                  ("--use_acl_graph", graph)) if on]
         if kv:
             flags += ["--cache", cache]
-        FLAG_SETS.append(pytest.param(flags, marks=[pytest.mark.slow] if graph else [],
+        FLAG_SETS.append(pytest.param(flags,
                                       id=" ".join(flags) or "baseline"))
 
 

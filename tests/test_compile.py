@@ -80,6 +80,7 @@ def test_fullgraph_compile_single_node_no_graph_break(op):
     torch.testing.assert_close(out, fn(*args), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["kv_prolog", "gather_pa_kv_cache", "mla_decode_attention"])
 def test_inductor_compile_matches_eager(op):
     fn, args = CASES[op]

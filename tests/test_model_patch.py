@@ -11,6 +11,9 @@ from mla_ops.integrations import transformers as patch
 from models import build_model, lite_attn_config, tiny_config
 from utils import MlaCalls, random_prompt
 
+# whole models, generate and compile: `make test-fast` leaves these to `make test`
+pytestmark = pytest.mark.slow
+
 CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MATRIX = [(c, d, a) for c in CONFIGS for d in DTYPES for a in ("eager", "sdpa")]

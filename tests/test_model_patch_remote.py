@@ -8,6 +8,9 @@ from mla_ops.integrations import transformers as patch
 import remote_deepseek_v2 as remote
 from models import lite_attn_config, tiny_config
 
+# whole models, generate and compile: `make test-fast` leaves these to `make test`
+pytestmark = pytest.mark.slow
+
 
 def _stack(config, dtype, seed=0):
     torch.manual_seed(seed)

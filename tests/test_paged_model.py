@@ -10,6 +10,9 @@ from mla_ops.integrations.transformers import MLAPagedCache
 from models import build_model, lite_attn_config, tiny_config
 from utils import MlaCalls, random_prompt
 
+# whole models, generate and compile: `make test-fast` leaves these to `make test`
+pytestmark = pytest.mark.slow
+
 CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
 STOCK_MODEL_FORWARD = hf.DeepseekV2Model.forward
 

@@ -225,7 +225,7 @@ def run_gather(inputs, **kwargs):
 @pytest.mark.parametrize("case", bench.gather_cases()[:10], ids=lambda c: c.name)
 @pytest.mark.pypto
 @needs_pypto
-def test_gather_seed_sweep_levels(pypto_sim, case):
+def test_gather_sample_sweep_levels(pypto_sim, case):
     """The original sample's ten network levels: key_cache [*,128,1,512], value_cache [*,128,1,64], bf16,
     block_tables [Q,8] int32, cumsum seq_lens, seq_offset with nonzero block multiples
     (num_blocks=64 instead of 5513: see mla_ops.bench.npu_sim)."""
