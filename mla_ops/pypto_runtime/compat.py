@@ -112,9 +112,7 @@ def _make_setup_verify_data(original: Callable) -> Callable:
         if any(t.device is not None and getattr(t.device, "type", "cpu") != "cpu" for t in pto_tensors):
             original(pto_tensors)          # device tensors: the stock path (a real CopyToHost exists there)
             return
-        from .calculator import load_calculator
-
-        load_calculator()
+        # The verify calculator is loaded by runner.run_kernel before any kernel runs on CPU tensors.
         pypto_impl.SetVerifyData(entry._pto_to_tensor_data(pto_tensors), [], _pto_verify_datas.get_data())
 
     return _setup_verify_data
