@@ -125,13 +125,31 @@ def _sync_reference_kernels() -> None:
 
 def candidates(op: str, device_type: str, setting: Optional[str] = None) -> tuple[Backend, ...]:
     """The backends that may serve `op` on `device_type` under `setting`, in order of preference."""
-    _sync_reference_kernels()
     setting = setting or settings.backend
-    if setting != "auto" and op in BACKENDS[setting].kernels:
+    if _is_demand(op, setting):
         return (BACKENDS[setting],)  # a demand: served by that backend or refused, never downgraded
     priority = AUTO_PRIORITY.get(device_type, DEFAULT_PRIORITY)
     return tuple(b for b in priority if op in b.kernels and b.serves_device(device_type)
                  and not b.unavailable_reason())
+
+
+def _is_demand(op: str, setting: str) -> bool:
+    return setting != "auto" and op in BACKENDS[setting].kernels
+
+
+def _pick(op: str, options: tuple[Backend, ...], demand: bool, args: tuple, kwargs: dict):
+    """The first of `options` that serves this call -> (backend, [(skipped backend, reasons)])."""
+    skipped: list[tuple[str, list[str]]] = []
+    for backend in options:
+        reasons = backend.not_supported_reasons(op, *args, **kwargs)
+        if not reasons:
+            return backend, skipped
+        if demand:
+            raise NotImplementedError(
+                f"mla.{op}: backend {backend.name!r} was requested (MLA_OPS_BACKEND / mla_ops.settings) but "
+                f"cannot serve this call: {'; '.join(reasons)}. Use MLA_OPS_BACKEND=auto to fall back.")
+        skipped.append((backend.name, reasons))
+    return REFERENCE, skipped
 
 
 def choose(op: str, *args: Any, **kwargs: Any) -> tuple[Backend, list[tuple[str, list[str]]]]:
@@ -139,29 +157,15 @@ def choose(op: str, *args: Any, **kwargs: Any) -> tuple[Backend, list[tuple[str,
 
     Raises NotImplementedError when an explicitly requested backend cannot serve the call."""
     device = _device_of(args, kwargs)
-    device_type = device.type if device is not None else "cpu"
-    setting = settings.backend
-    skipped: list[tuple[str, list[str]]] = []
-    options = candidates(op, device_type, setting)
-    if setting != "auto" and options[0] is BACKENDS[setting]:
-        reasons = options[0].not_supported_reasons(op, *args, **kwargs)
-        if reasons:
-            raise NotImplementedError(
-                f"mla.{op}: backend {setting!r} was requested (MLA_OPS_BACKEND / mla_ops.settings) but "
-                f"cannot serve this call: {'; '.join(reasons)}. Use MLA_OPS_BACKEND=auto to fall back.")
-        return options[0], skipped
-    for backend in options:
-        reasons = backend.not_supported_reasons(op, *args, **kwargs)
-        if not reasons:
-            return backend, skipped
-        skipped.append((backend.name, reasons))
-    return REFERENCE, skipped
+    options = candidates(op, device.type if device is not None else "cpu")
+    return _pick(op, options, _is_demand(op, settings.backend), args, kwargs)
 
 
 def explain(op: str, *args: Any, **kwargs: Any) -> str:
     """Which backend would run `torch.ops.mla.<op>(*args, **kwargs)` now, and why not the others.
 
     The op's own argument check runs first: a bad call is explained by its error message."""
+    _sync_reference_kernels()
     OPS[op].check(*args, **kwargs)
     try:
         backend, skipped = choose(op, *args, **kwargs)
@@ -183,10 +187,10 @@ _bound_lib: Optional[torch.library.Library] = None
 _bound: dict[tuple[str, str], str] = {}  # (op, device type) -> what serves it, for reports
 
 
-def _chooser(op: str, options: tuple[Backend, ...]) -> Callable:
-    """A kernel that picks the first of `options` that can serve each call."""
+def _chooser(op: str, options: tuple[Backend, ...], demand: bool) -> Callable:
+    """A kernel that picks the first of `options` (fixed at bind time) that can serve each call."""
     def choose_and_run(*args, **kwargs):
-        backend, _ = choose(op, *args, **kwargs)
+        backend, _ = _pick(op, options, demand, args, kwargs)
         return backend.kernels[op].fn(*args, **kwargs)
 
     choose_and_run.__name__ = f"mla_{op}_choose_{'_or_'.join(b.name for b in options)}"
@@ -213,7 +217,8 @@ def bind() -> None:
             if direct:
                 kernel, label = first.kernels[name].fn, first.name
             else:
-                kernel, label = _chooser(name, options), " or ".join(b.name for b in options)
+                kernel = _chooser(name, options, _is_demand(name, settings.backend))
+                label = " or ".join(b.name for b in options)
             _bound_lib.impl(name, checked_kernel(op, kernel, f"mla_{name}_{device_type}"), key)
             _bound[(name, device_type)] = label
 
