@@ -16,6 +16,7 @@ from .ops import (
     kv_prolog,
     latent_kv_prolog,
     mla_decode_attention,
+    q_prolog,
     rms_norm,
     rope,
     scatter_pa_kv_cache,
@@ -36,6 +37,6 @@ def patch_deepseek_v2(model=None, **options):
 
 __all__ = [
     "backends", "settings", "explain", "patch_deepseek_v2", "set_backend", "use_backend",
-    "rms_norm", "rope", "kv_prolog", "latent_kv_prolog",
+    "rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog",
     "scatter_pa_kv_cache", "gather_pa_kv_cache", "gather_pa_kv_cache_into", "mla_decode_attention",
 ]

@@ -14,14 +14,14 @@ from mla_ops._library import OPS
 
 from utils import SMALL, prolog_inputs, prolog_kwargs
 
-ALL_OPS = ("rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "scatter_pa_kv_cache", "gather_pa_kv_cache",
-           "gather_pa_kv_cache_functional", "mla_decode_attention")
+ALL_OPS = ("rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog", "scatter_pa_kv_cache",
+           "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "mla_decode_attention")
 
 
 def test_the_op_table_is_derived_from_the_op_modules():
     assert set(OPS) == set(ALL_OPS)
     assert {name for name, op in OPS.items() if op.differentiable} == {"rms_norm", "rope", "kv_prolog",
-                                                                       "latent_kv_prolog"}
+                                                                       "latent_kv_prolog", "q_prolog"}
     assert set(backends.REFERENCE.kernels) == set(ALL_OPS)
     assert all(backends.REFERENCE.kernels[name].fn is OPS[name].reference for name in ALL_OPS)
 
@@ -54,6 +54,9 @@ CONTRACT_SCHEMAS = {
                  "Tensor kv_b_weight, Tensor cos, Tensor sin, *, int num_heads, int qk_nope_head_dim, "
                  'int v_head_dim, float eps=1e-6, str rope_layout="interleaved") '
                  "-> (Tensor k_nope, Tensor value, Tensor k_pe)",
+    "q_prolog": "mla::q_prolog(Tensor hidden_states, Tensor? q_a_weight, Tensor? q_a_bias, Tensor? q_norm_weight, "
+                "Tensor q_b_weight, Tensor cos, Tensor sin, *, int num_heads, int qk_nope_head_dim, float eps=1e-6, "
+                'str rope_layout="interleaved") -> (Tensor q_nope, Tensor q_pe)',
     "latent_kv_prolog": "mla::latent_kv_prolog(Tensor hidden_states, Tensor kv_a_weight, Tensor? kv_a_bias, "
                         "Tensor kv_norm_weight, Tensor cos, Tensor sin, *, float eps=1e-6, "
                         'str rope_layout="interleaved") -> (Tensor latent, Tensor k_pe)',

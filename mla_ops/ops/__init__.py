@@ -9,9 +9,10 @@ Importing this package defines every op.
 from .decode_attention import mla_decode_attention
 from .gather_pa_kv_cache import gather_pa_kv_cache, gather_pa_kv_cache_into
 from .kv_prolog import kv_prolog, latent_kv_prolog
+from .q_prolog import q_prolog
 from .rms_norm import rms_norm
 from .rope import rope
 from .scatter_pa_kv_cache import scatter_pa_kv_cache
 
-__all__ = ["rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "scatter_pa_kv_cache", "gather_pa_kv_cache",
+__all__ = ["rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog", "scatter_pa_kv_cache", "gather_pa_kv_cache",
            "gather_pa_kv_cache_into", "mla_decode_attention"]
