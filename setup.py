@@ -11,16 +11,21 @@ setup(
     packages=find_packages(include=["mla_ops", "mla_ops.*"]),
     package_data={"mla_ops": ["assets/builtin_tokenizer/*"]},
     # torch is deliberately unpinned here (pinned in requirements.txt): the package works with the
-    # torch a user already has (CPU, CUDA or torch_npu builds); transformers is needed by the model
-    # patches and the CLI only.
-    # transformers: bounded to the range the model patches accept at apply time (5.24.x; the
-    # forward signature and cache layout change across 5.x); the ops themselves do not import it.
-    install_requires=["torch>=2.6", "transformers>=5.24,<5.25", "safetensors", "tokenizers"],
+    # torch a user already has (CPU, CUDA or torch_npu builds). The ops need nothing else; the
+    # transformers integration and the CLI need transformers (the `transformers` extra, bounded to the
+    # range the model patch accepts at apply time). Keeping it out of install_requires lets mla-ops sit
+    # next to vLLM, which pins its own transformers.
+    install_requires=["torch>=2.6"],
     extras_require={
+        "transformers": ["transformers>=5.24,<5.25", "safetensors", "tokenizers"],
         "pypto": ["pypto==0.2.0"],
         "plot": ["matplotlib"],
         "npu": ["torch_npu"],
         "test": ["pytest", "expecttest", "hypothesis"],
     },
-    entry_points={"console_scripts": ["mla-ops=mla_ops.cli:main"]},
+    entry_points={
+        "console_scripts": ["mla-ops=mla_ops.cli:main"],
+        # vLLM calls this in each of its processes; it does nothing without vLLM (see the module docstring).
+        "vllm.general_plugins": ["mla_ops = mla_ops.integrations.vllm:register"],
+    },
 )

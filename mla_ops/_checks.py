@@ -165,8 +165,8 @@ def memo_by_signature(fn):
                 results.popitem(last=False)
         return result
 
-    memoized.__name__ = fn.__name__
-    memoized.__qualname__ = fn.__qualname__
+    memoized.__name__ = getattr(fn, "__name__", type(fn).__name__)
+    memoized.__qualname__ = getattr(fn, "__qualname__", memoized.__name__)
     memoized.__doc__ = fn.__doc__
     memoized.__wrapped__ = fn
     return memoized

@@ -1,5 +1,6 @@
 """Shared pytest setup: deterministic seeds, one torch thread per xdist worker, the backend setting
 and every model patch restored after each test, torch_npu kept out of CI."""
+import importlib.util
 import os
 import sys
 
@@ -11,6 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import mla_ops  # noqa: E402  (defines torch.ops.mla)
+
+# The vLLM tests need vLLM, which lives in its own venv (`make test-vllm`); elsewhere they are not collected.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one worker per core: threads beyond that would only oversubscribe the cores.

@@ -85,11 +85,7 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
                             v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout)
 
 
-def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
-                    is_seq_lens_cumsum=False):
-    return gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_tables, seq_lens, key, value,
-                                                    seq_offset=seq_offset, is_seq_lens_cumsum=is_seq_lens_cumsum,
-                                                    mode="npu")
+_gather_reasons = functools.partial(gather_pa_kv_cache_not_supported_reasons, mode="npu")
 
 
 @NPU.kernel("gather_pa_kv_cache", reasons=_gather_reasons)

