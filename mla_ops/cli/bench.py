@@ -11,6 +11,7 @@ import pathlib
 import sys
 from typing import Callable, NamedTuple
 
+from ..bench.timing import format_table
 from .arguments import int_at_least, int_list
 from .runtime import CliError
 
@@ -164,6 +165,40 @@ def _run_npu_sim(args, meta: dict) -> dict:
     return {"meta": meta, "rows": rows, "regressions": regressions}
 
 
+# -------------------------------------------------------------------------------------------- vllm
+def _vllm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: a small random DeepSeek-V2)")
+    p.add_argument("--contexts", type=int_list, default=[128, 1024, 4096],
+                   help="prompt lengths (default: 128,1024,4096)")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 4], help="default: 1,4")
+    p.add_argument("--decode-tokens", type=int_at_least(2), default=48)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--layers", type=int_at_least(1), default=2, help="layers of the generated model")
+
+
+def _run_vllm(args, meta: dict) -> dict:
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        raise CliError("bench vllm needs vLLM next to mla-ops: build .venv-vllm with `make test-vllm` and run "
+                       ".venv-vllm/bin/mla-ops bench vllm")
+    from ..bench import vllm
+
+    rows = vllm.measure(args.model, contexts=args.contexts, batch_sizes=args.batch_sizes,
+                        decode_tokens=args.decode_tokens, dtype=args.dtype, num_layers=args.layers)
+    print("\nvLLM decode: the mla-ops plugin vs vLLM's own CPU MLA backend, same engine, model and prompts")
+    print(vllm.format_rows(rows))
+    op_rows = vllm.measure_ops(contexts=args.contexts, batch_sizes=args.batch_sizes,
+                               dtype=getattr(torch, args.dtype))
+    print("\ndecode kernel alone (vLLM's cache layout, 16 heads, min of 50 calls, 1 thread)")
+    print(format_table(op_rows, [("context", "context"), ("batch", "batch"), ("mla_ms", "mla ms"),
+                                 ("vllm_ms", "vllm ms"), ("mla_vs_vllm", "mla / vllm time")]))
+    meta.update(vllm.environment(), dtype=args.dtype, decode_tokens=args.decode_tokens)
+    return {"meta": meta, "rows": rows, "op_rows": op_rows}
+
+
 BENCHMARKS: dict[str, Benchmark] = {
     "e2e": Benchmark("baseline vs fused generation across prompt and output lengths "
                      "(the original benchmark_bs_comparison.py)", _e2e_arguments, _run_e2e),
@@ -171,6 +206,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                      "materialised", _ops_arguments, _run_ops),
     "decode": Benchmark("per-token decode latency at long contexts: stock vs cache=dense vs cache=paged "
                         "(lite-attn, bf16), plus the attention step alone", _decode_arguments, _run_decode),
+    "vllm": Benchmark("vLLM decode tokens/s and step latency: the mla-ops plugin vs vLLM's own CPU MLA backend "
+                      "(needs vLLM: .venv-vllm)", _vllm_arguments, _run_vllm),
     "npu-sim": Benchmark("simulated Ascend 910B2 AICore time of the PyPTO kernels (pypto's CPU simulator)",
                          _npu_sim_arguments, _run_npu_sim),
 }
