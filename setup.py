@@ -1,11 +1,79 @@
-"""mla-ops: DeepSeek-V2 multi-head latent attention (MLA) kernels as torch.ops.mla operators."""
+"""mla-ops: multi-head latent attention (MLA) kernels as torch.ops.mla operators.
+
+Native CPU kernels (mla_ops/csrc/cpu) are built once per ISA as extension modules
+`mla_ops._C_avx512`, `mla_ops._C_avx2` (x86-64) and `mla_ops._C_default` (every platform; NEON on
+aarch64); `mla_ops.backends.cpu_native` picks the best one the CPU supports at run time. They are optional:
+without a C++ compiler (or with MLA_OPS_NO_NATIVE=1) the package installs without them and
+`mla-ops info` / `mla_ops.explain(...)` say why.
+"""
+import os
+import platform
+import sys
+
 from setuptools import find_packages, setup
+
+_CSRC = "mla_ops/csrc/cpu"
+_SOURCES = [f"{_CSRC}/{name}.cpp" for name in ("decode_attention", "kv_prolog", "paged_kv_cache", "bindings")]
+# -ffp-contract=off: the kernels reproduce the reference's separately rounded products (RoPE); the
+# FMAs the decode kernel wants are written explicitly (at::vec::fmadd), not left to contraction.
+_COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"]
+# ATen's vec headers pick their SIMD implementation from these macros (and put it in the inline
+# namespace CPU_CAPABILITY); the -m flags are the ones ATen's own kernels of that level use.
+_ISA_FLAGS = {
+    "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
+}
+
+
+def _native_extensions():
+    """(ext_modules, cmdclass) for the native kernels, or ([], {}) where they cannot be built."""
+    if os.environ.get("MLA_OPS_NO_NATIVE", "0") not in ("", "0"):
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception as exc:  # torch missing at build time (e.g. build isolation): pure-Python install
+        print(f"mla-ops: native CPU kernels not built ({exc})", file=sys.stderr)
+        return [], {}
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    isas = ("avx512", "avx2", "default") if x86 else ("default",)
+    extensions = [
+        CppExtension(f"mla_ops._C_{isa}", _SOURCES, extra_compile_args=_COMMON_FLAGS + _ISA_FLAGS[isa])
+        for isa in isas
+    ]
+
+    class OptionalBuildExtension(BuildExtension):
+        """Builds each ISA in its own temp folder (the three share source names) and turns a failed
+        build (no compiler, old compiler) into a warning: the package still installs."""
+
+        def build_extension(self, ext):
+            build_temp = self.build_temp
+            self.build_temp = os.path.join(build_temp, ext.name.rsplit(".", 1)[-1])
+            try:
+                super().build_extension(ext)
+            except Exception as exc:
+                print(f"mla-ops: WARNING: native extension {ext.name} not built: {exc}", file=sys.stderr)
+            finally:
+                self.build_temp = build_temp
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:
+                print(f"mla-ops: WARNING: native CPU kernels not built: {exc}", file=sys.stderr)
+
+    return extensions, {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)}
+
+
+_EXT_MODULES, _CMDCLASS = _native_extensions()
 
 setup(
     name="mla-ops",
     version="0.1.0",
     description="DeepSeek-V2 MLA kernels (KV prolog, paged latent cache, absorbed decode) as torch.ops.mla",
-    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mla_ops", "mla_ops.*"]),
@@ -28,4 +96,6 @@ setup(
         # vLLM calls this in each of its processes; it does nothing without vLLM (see the module docstring).
         "vllm.general_plugins": ["mla_ops = mla_ops.integrations.vllm:register"],
     },
+    ext_modules=_EXT_MODULES,
+    cmdclass=_CMDCLASS,
 )

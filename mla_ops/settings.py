@@ -5,7 +5,7 @@ Settings are read once from the environment at import and can be changed at run 
 ===============================  =========  ====================================================
 environment variable             default    meaning
 ===============================  =========  ====================================================
-``MLA_OPS_BACKEND``              ``auto``   ``auto`` | ``reference`` | ``pypto_sim`` | ``npu``
+``MLA_OPS_BACKEND``              ``auto``   ``auto`` | ``reference`` | ``cpu_native`` | ``pypto_sim`` | ``npu``
 ``MLA_OPS_NPU_FUSED_MAX_TOKENS`` ``16``     NPU ``kv_prolog``: token counts (B*S) up to this use
                                             the fused PyPTO stage-2 kernel, larger ones the
                                             torch_npu baseline composite
@@ -28,7 +28,7 @@ import dataclasses
 import os
 from typing import Callable, Iterator
 
-BACKEND_NAMES = ("auto", "reference", "pypto_sim", "npu")
+BACKEND_NAMES = ("auto", "reference", "cpu_native", "pypto_sim", "npu")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -90,7 +90,7 @@ def on_backend_change(listener: Callable[[], None]) -> None:
 
 
 def set_backend(name: str) -> None:
-    """Select the backend for every later op call (``auto``, ``reference``, ``pypto_sim``, ``npu``)."""
+    """Select the backend for every later op call (one of BACKEND_NAMES)."""
     settings.backend = _check_backend(name)
     for listener in _backend_listeners:
         listener()

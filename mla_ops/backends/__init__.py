@@ -8,6 +8,8 @@ whatever the backend, so a bad call gets the same message everywhere).
 
 Backends (modules of this package):
 * ``reference`` — the torch kernels of `mla_ops.ops`; any device; the ground truth.
+* ``cpu_native`` — C++ kernels for the CPU (`mla_ops/csrc/cpu`), built with the package; the
+  automatic choice on CPU where a build imports.
 * ``pypto_sim`` — the PyPTO kernels run on CPU by pypto's simulator (opt-in: tests, kernel work).
 * ``npu`` — Ascend NPU: torch_npu ops + PyPTO kernels, on PrivateUse1.
 
@@ -66,10 +68,13 @@ class Backend:
         self.kernels: dict[str, Kernel] = {}
         BACKENDS[name] = self
 
-    def kernel(self, op: str, *, reasons: Optional[Callable] = None):
-        """Decorator: `fn` is this backend's kernel for `mla::<op>` (same signature as the op)."""
+    def kernel(self, op: str, *, reasons: Optional[Callable] = None, memoize: bool = True):
+        """Decorator: `fn` is this backend's kernel for `mla::<op>` (same signature as the op).
+
+        `reasons(*args, **kwargs) -> list[str]` says why the kernel cannot serve a call; it is cached
+        per call signature unless `memoize=False` (for reasons cheaper than building the key)."""
         def register(fn: Callable) -> Callable:
-            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons else None)
+            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons and memoize else reasons)
             return fn
         return register
 
@@ -109,10 +114,11 @@ def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
 # ------------------------------------------------------------------------------------- backends
 REFERENCE = Backend("reference", "torch ops; any device; the ground truth", ("*",))
 
-from . import npu, pypto_sim  # noqa: E402,F401  (they register themselves in BACKENDS)
+from . import cpu_native, npu, pypto_sim  # noqa: E402,F401  (they register themselves in BACKENDS)
 
 # Automatic choice per device type: the first backend that serves the call wins.
-AUTO_PRIORITY: dict[str, tuple[Backend, ...]] = {"npu": (npu.NPU, REFERENCE)}
+AUTO_PRIORITY: dict[str, tuple[Backend, ...]] = {"cpu": (cpu_native.CPU_NATIVE, REFERENCE),
+                                                 "npu": (npu.NPU, REFERENCE)}
 DEFAULT_PRIORITY: tuple[Backend, ...] = (REFERENCE,)
 
 
@@ -212,7 +218,8 @@ def bind() -> None:
                 _bound[(name, device_type)] = "reference"
                 continue  # CompositeExplicitAutograd serves it
             first = options[0]
-            direct = (len(options) == 1 and first.kernels[name].reasons is None and first.serves_device(device_type)
+            # the first candidate takes every call it can be asked (no call-dependent reasons): bind it
+            direct = (first.kernels[name].reasons is None and first.serves_device(device_type)
                       and not first.unavailable_reason())
             if direct:
                 kernel, label = first.kernels[name].fn, first.name

@@ -248,10 +248,10 @@ def functional_gather(gather):
     writes into clones of key and value (keeping their strides) and returns them."""
 
     def gather_functional(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
-                          is_seq_lens_cumsum=False):
+                          is_seq_lens_cumsum=False, **extra):
         key_out, value_out = key.clone(), value.clone()
         gather(key_cache, value_cache, block_tables, seq_lens, key_out, value_out, seq_offset=seq_offset,
-               is_seq_lens_cumsum=is_seq_lens_cumsum)
+               is_seq_lens_cumsum=is_seq_lens_cumsum, **extra)
         return key_out, value_out
 
     gather_functional.__name__ = f"{gather.__name__}_functional"

