@@ -58,4 +58,4 @@ $(VLLM_STAMP): requirements-vllm.txt setup.py pyproject.toml
 
 # Real vLLM engines (offline LLM, TP=2, the OpenAI server) on small DeepSeek-V2 checkpoints: ~5 min.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest tests/vllm
+	$(VLLM_PY) -m pytest tests/vllm_engine

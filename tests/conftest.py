@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import mla_ops  # noqa: E402  (defines torch.ops.mla)
 
 # The vLLM tests need vLLM, which lives in its own venv (`make test-vllm`); elsewhere they are not collected.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_engine"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one worker per core: threads beyond that would only oversubscribe the cores.

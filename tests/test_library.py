@@ -110,7 +110,11 @@ def test_import_touches_no_npu_cuda_or_heavy_optional_package():
 def test_backend_selection_auto_and_explicit():
     args = prolog_inputs(SMALL, torch.float32)
     kwargs = prolog_kwargs(SMALL)
-    assert mla_ops.explain("kv_prolog", *args, **kwargs).startswith("mla.kv_prolog: reference")
+    native = backends.BACKENDS["cpu_native"]
+    automatic = "reference" if native.unavailable_reason() else "cpu_native"
+    assert mla_ops.explain("kv_prolog", *args, **kwargs).startswith(f"mla.kv_prolog: {automatic}")
+    with mla_ops.use_backend("reference"):
+        assert mla_ops.explain("kv_prolog", *args, **kwargs).startswith("mla.kv_prolog: reference")
     with mla_ops.use_backend("npu"):
         # an explicit backend that cannot serve the call fails loudly, with its reasons
         with pytest.raises(NotImplementedError, match=r"backend 'npu' was requested .* cannot serve"):
@@ -123,20 +127,22 @@ def test_backend_selection_auto_and_explicit():
 
 
 def test_the_choice_is_bound_once_per_setting_not_made_per_call():
-    """A setting change re-binds the dispatch table; calls never re-decide. Binding the npu backend
-    on CPU tensors installs a kernel that refuses, so the CPU key visibly changes owner."""
-    assert not torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
-    with mla_ops.use_backend("npu"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
-        assert ("kv_prolog", "cpu", "npu") in backends.bound_report()
-    assert not torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
-    assert ("kv_prolog", "cpu", "reference") in backends.bound_report()
+    """A setting change re-binds the dispatch table; calls never re-decide. With `reference` nothing
+    is bound to the CPU key (CompositeExplicitAutograd serves); binding the npu backend on CPU tensors
+    installs a kernel that refuses, so the CPU key visibly changes owner, and back."""
+    with mla_ops.use_backend("reference"):
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
+        assert ("kv_prolog", "cpu", "reference") in backends.bound_report()
+        with mla_ops.use_backend("npu"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
+            assert ("kv_prolog", "cpu", "npu") in backends.bound_report()
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
 
 
 def test_a_wrong_shape_gets_the_ops_own_message_whatever_the_backend():
     hidden, kv_a, _, norm_w, kv_b, cos, sin = prolog_inputs(SMALL, torch.bfloat16)
     bad = (hidden[0], kv_a, None, norm_w, kv_b, cos, sin)  # 2-D hidden_states
-    for backend in ("auto", "reference", "pypto_sim", "npu"):
+    for backend in ("auto", "reference", "cpu_native", "pypto_sim", "npu"):
         with mla_ops.use_backend(backend):
             with pytest.raises(RuntimeError, match=r"mla.kv_prolog: hidden_states must be 3-D"):
                 torch.ops.mla.kv_prolog(*bad, **prolog_kwargs(SMALL))
@@ -153,7 +159,7 @@ def test_config_rejects_unknown_backend_and_bad_env():
 
 def test_availability_report_lists_every_backend_with_its_own_reason():
     rows = {name: status for name, _, status in backends.availability_report()}
-    assert set(rows) == set(backends.BACKENDS) == {"reference", "pypto_sim", "npu"}
+    assert set(rows) == set(backends.BACKENDS) == {"reference", "cpu_native", "pypto_sim", "npu"}
     assert rows["reference"] == "available"
     for name, backend in backends.BACKENDS.items():
         reason = backend.unavailable_reason()
