@@ -234,7 +234,10 @@ def gather_sync_free(key_cache, value_cache, block_tables, seq_lens, key, value,
     covered = (t >= 0) & (t < lens[seq])
     col = table_offset[seq] + torch.div(t, block_size, rounding_mode="floor")
     col_ok = (col >= 0) & (col < columns)
-    physical = block_tables[seq, col.clamp(0, columns - 1)].long()
+    if columns:
+        physical = block_tables[seq, col.clamp(0, columns - 1)].long()
+    else:  # a [Q, 0] table (valid when every length is 0): no column to clamp into, no block to read
+        physical = torch.full_like(col, -1)
     ok = covered & col_ok & (physical >= 0) & (physical < num_blocks)
     src = torch.where(ok, physical * block_size + torch.remainder(t, block_size), 0)
     for cache, out in ((key_cache, key), (value_cache, value)):
