@@ -92,3 +92,18 @@ def install_cache_factory(target, handle) -> None:
     if hasattr(target, "_prepare_cache_for_generation"):
         wrapped = _prepare_cache_with_paged(stock_prepare)
         handle.set(target, "_prepare_cache_for_generation", types.MethodType(wrapped, target), in_dict=True)
+
+
+def install_stock_cache_hooks(model, handle) -> None:
+    """When a class-level paged patch is active, give `model` (patched with a dense cache) the stock
+    model forward and cache preparation in its own `__dict__`: the instance's options win for it.
+    Nothing to do otherwise (the stock functions are the class's)."""
+    hf = native_module()
+    stock_forward = stock_attr(hf.DeepseekV2Model, "forward")
+    stock_prepare = stock_attr(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation")
+    for decoder in (m for m in model.modules() if isinstance(m, hf.DeepseekV2Model)):
+        if type(decoder).forward is not stock_forward:
+            handle.set(decoder, "forward", types.MethodType(stock_forward, decoder), in_dict=True)
+    if (isinstance(model, hf.DeepseekV2ForCausalLM)
+            and type(model)._prepare_cache_for_generation is not stock_prepare):
+        handle.set(model, "_prepare_cache_for_generation", types.MethodType(stock_prepare, model), in_dict=True)
