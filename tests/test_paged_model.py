@@ -523,3 +523,29 @@ def test_an_instance_dense_patch_wins_over_a_class_paged_patch():
         assert isinstance(out.past_key_values, MLAPagedCache)
         with torch.no_grad():  # and this one again once its own patch is gone
             assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
+
+
+def test_dynamic_pool_reserves_what_is_generated_not_max_new_tokens():
+    """generate() sizes the cache for prompt + max_new_tokens; a generation that stops after 5 tokens
+    must hold about 5 tokens' worth of blocks, not 200000 (the static cache preallocates by design)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from mla_ops.integrations.transformers.paged_cache import MAX_INITIAL_TOKENS_PER_ROW
+
+    class AfterFive(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 6 + 5, dtype=torch.bool)
+
+    config = tiny_config()
+    model = build_model(config)
+    ids = random_prompt(config, length=6)
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        out = model.generate(ids, do_sample=False, max_new_tokens=200_000, return_dict_in_generate=True,
+                             stopping_criteria=StoppingCriteriaList([AfterFive()]))
+    assert out.sequences.shape[1] == 11
+    cache = out.past_key_values
+    assert isinstance(cache, MLAPagedCache) and not cache.static
+    reserved_tokens = cache.layers[0].latent_pool.shape[0] * cache.block_size
+    assert reserved_tokens <= MAX_INITIAL_TOKENS_PER_ROW + cache.block_size  # not 200006 tokens
+    assert cache.memory_report()["pool_bytes"] <= 2 * (MAX_INITIAL_TOKENS_PER_ROW + cache.block_size) * (
+        config.kv_lora_rank + config.qk_rope_head_dim) * 4 * config.num_hidden_layers
