@@ -331,3 +331,20 @@ def test_scatter_any_cache_and_source_layout(layout, path):
     else:
         scatter_sync_free(k, v, kc, vc, slots)
     assert torch.equal(kc, expected[0]) and torch.equal(vc, expected[1])
+
+
+@pytest.mark.parametrize("cumsum_mode", [False, True])
+def test_gather_with_an_empty_block_table(cumsum_mode):
+    """A [Q, 0] table with zero lengths is valid: nothing is written, on the CPU path and the sync-free
+    path alike (which has no column to clamp ids into)."""
+    key_cache, value_cache = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 2)
+    tables = torch.zeros(1, 0, dtype=torch.int32)
+    seq_lens = torch.tensor([0, 0] if cumsum_mode else [0])
+    key, value = torch.randn(3, 1, 8), torch.randn(3, 1, 2)
+    for gather in (torch.ops.mla.gather_pa_kv_cache, gather_sync_free):
+        out_key, out_value = key.clone(), value.clone()
+        if gather is gather_sync_free:
+            gather(key_cache, value_cache, tables, seq_lens, out_key, out_value, None, cumsum_mode)
+        else:
+            gather(key_cache, value_cache, tables, seq_lens, out_key, out_value, is_seq_lens_cumsum=cumsum_mode)
+        assert torch.equal(out_key, key) and torch.equal(out_value, value)
