@@ -234,3 +234,22 @@ def test_property_poisoned_unattended_slots_never_reach_any_output(data):
     keep = [b for b in range(len(lens)) if b != pad]
     torch.testing.assert_close(out[keep].double(), expected[keep], rtol=1e-5, atol=1e-6)
     assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+
+
+@pytest.mark.parametrize("lens", [[6], [8, 6]], ids=["one-row-view-of-the-pool", "back-to-back-ragged"])
+def test_poison_past_the_length_of_back_to_back_blocks(lens):
+    """Back-to-back blocks are read through a view of the pool (no copy, so nothing can be zeroed
+    there): the poisoned tail past the longest row stays out of the output GEMM, and a ragged batch
+    takes the gather copy whose unattended rows are zeroed."""
+    block_size, heads, lora, rope = 4, 2, 8, 4
+    g = torch.Generator().manual_seed(9)
+    key_cache = torch.randn(len(lens) * 2 + 1, block_size, 1, lora, generator=g)
+    value_cache = torch.randn(len(lens) * 2 + 1, block_size, 1, rope, generator=g)
+    tables = torch.arange(len(lens) * 2, dtype=torch.int32).view(len(lens), 2)
+    q_latent, q_pe = torch.randn(len(lens), heads, lora, generator=g), torch.randn(len(lens), heads, rope, generator=g)
+    seq_lens = torch.tensor(lens)
+    key_cache = _poison_unattended(key_cache, tables, lens, float("nan"))
+    value_cache = _poison_unattended(value_cache, tables, lens, float("inf"))
+    out = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    expected = materialized_decode_reference(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
