@@ -523,6 +523,12 @@ def test_an_instance_dense_patch_wins_over_a_class_paged_patch():
         assert isinstance(out.past_key_values, MLAPagedCache)
         with torch.no_grad():  # and this one again once its own patch is gone
             assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
+    # the other order: the class-level paged patch applied after the instance's dense one
+    model = build_model(config)
+    with patch.apply(model, cache="dense"), patch.apply(cache="paged"), torch.no_grad():
+        assert isinstance(model(ids, use_cache=True).past_key_values, DynamicCache)
+        out = model.generate(ids, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
+        assert not isinstance(out.past_key_values, MLAPagedCache)
 
 
 def test_dynamic_pool_reserves_what_is_generated_not_max_new_tokens():

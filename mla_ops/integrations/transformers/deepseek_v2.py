@@ -155,9 +155,7 @@ def _patch(handle: PatchHandle, model, targets, options: PatchOptions) -> None:
             handle.patched_modules += 1
     if options.cache == "paged":
         generation.install_cache_factory(hf.DeepseekV2Model if model is None else model, handle)
-    elif model is not None:
-        # the instance's options win over a class-level paged patch: its cache hooks are stock here
-        generation.install_stock_cache_hooks(model, handle)
+    # (a dense instance patch needs no hook of its own: a class-level paged hook defers to its options)
 
 
 def _state_without_absorbed(self) -> dict:
