@@ -68,6 +68,18 @@ def check_size(op: str, name: str, actual, expected, what: str) -> None:
     )
 
 
+def check_writable_layout(op: str, name: str, t: torch.Tensor) -> None:
+    """An output or cache the op writes must not overlap itself: with a stride-0 dim (an
+    `expand`ed tensor) several elements share one memory location, so writes race or land twice
+    (ATen only warns for index_put_). Sync-free: strides are metadata."""
+    torch._check(
+        all(size <= 1 or stride != 0 for size, stride in zip(t.shape, t.stride())),
+        lambda: f"mla.{op}: {name} has overlapping memory (a stride-0 dim, e.g. from expand: shape "
+        f"{_shape(t)}, strides {tuple(t.stride())}) and cannot be written; pass a tensor that owns its "
+        f"elements (.contiguous() or .clone())",
+    )
+
+
 ROPE_LAYOUTS = ("interleaved", "half")  # transformers' apply_rotary_emb pairs / the hub code's halves
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # the activation dtypes the Ascend kernels compute in
 
@@ -120,7 +132,8 @@ _MEMO_SIZE = 512
 
 def _signature(value):
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
+        # strides too: a check may reject an overlapping (stride-0) layout of an accepted shape
+        return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
     return value
 
 

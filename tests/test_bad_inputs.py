@@ -114,6 +114,15 @@ SYNC_FREE_CASES = [
     ("gather", _gather_args(is_seq_lens_cumsum=False), r"gather_pa_kv_cache: seq_lens must have one length per"),
     ("gather", _gather_args(seq_offset=torch.tensor([0.0, 4.0])), r"gather_pa_kv_cache: seq_offset must be an int"),
     ("gather", _gather_args(seq_offset=torch.tensor([0])), r"gather_pa_kv_cache: seq_offset needs one offset per"),
+    # an expanded (stride-0) output or cache: rejected before anything is written
+    ("gather", _gather_args(value=torch.full((1, 1, 4), 3.0).expand(8, 1, 4)),
+     r"gather_pa_kv_cache: value has overlapping memory .* stride-0"),
+    ("gather", _gather_args(key=torch.full((8, 1, 1), 3.0).expand(8, 1, 8)),
+     r"gather_pa_kv_cache: key has overlapping memory"),
+    ("scatter", _scatter_args(key_cache=torch.zeros(1, 4, 1, 8).expand(4, 4, 1, 8)),
+     r"scatter_pa_kv_cache: key_cache has overlapping memory"),
+    ("scatter", _scatter_args(value_cache=torch.zeros(4, 1, 1, 4).expand(4, 4, 1, 4)),
+     r"scatter_pa_kv_cache: value_cache has overlapping memory"),
     ("scatter", _scatter_args(slot_mapping=torch.tensor([0, 1])),
      r"scatter_pa_kv_cache: slot_mapping length must equal the token count of key"),
     ("scatter", _scatter_args(slot_mapping=torch.tensor([0.0, 1.0, 2.0])),
@@ -191,6 +200,18 @@ VALUE_CASES = [
      r"block_tables\[1, 0\] = -1 is used by sequence 1"),
     ("gather", _gather_args(key=torch.zeros(7, 1, 8), value=torch.zeros(7, 1, 4)),
      r"the sequences hold 8 tokens but key/value have only 7 rows"),
+    # values near 2**63: checked before any int64 arithmetic could wrap around
+    ("gather", _gather_args(seq_offset=torch.tensor([2**63 - 4, 0])),
+     r"seq_offset\[0\] = 9223372036854775804 starts at block-table column .* only 4 columns"),
+    ("gather", _gather_args(seq_offset=None, is_seq_lens_cumsum=False,
+                            block_tables=torch.zeros(2, 4, dtype=torch.int32), seq_lens=torch.tensor([2**62, 2**62])),
+     r"sequence 0 needs block-table columns .* seq_lens may hold at most 16 tokens"),
+    ("gather", _gather_args(seq_offset=None, is_seq_lens_cumsum=False,
+                            block_tables=torch.zeros(3, 4, dtype=torch.int32),
+                            seq_lens=torch.tensor([2**62, 2**62, 2**62 - 1])),
+     r"sequence 0 needs block-table columns"),
+    ("gather", _gather_args(seq_lens=torch.tensor([0, 2**63 - 1, 2**63 - 1])),
+     r"sequence 0 needs block-table columns"),
     ("scatter", _scatter_args(slot_mapping=torch.tensor([0, 16, -1])),
      r"slot_mapping\[1\] = 16 is outside the cache \(num_blocks \* block_size = 16 slots\)"),
     ("decode", _decode_args(seq_lens=torch.tensor([5, 0])), r"seq_lens\[1\] = 0; each decoding sequence"),
@@ -214,6 +235,20 @@ def test_explicit_validation_helpers_check_values():
     with pytest.raises(ValueError, match=re.escape("block_tables[0, 2] = 99")):
         mla_ops.gather_pa_kv_cache(args["key_cache"], args["value_cache"], args["block_tables"], args["seq_lens"],
                                    seq_offset=args["seq_offset"], is_seq_lens_cumsum=True, validate=True)
+
+
+@pytest.mark.parametrize("seq_lens,cumsum,message", [
+    (torch.tensor([], dtype=torch.int64), True, r"seq_lens is empty, but with is_seq_lens_cumsum=True"),
+    (torch.tensor([2**62, 2**62]), False, r"seq_lens adds up to 9223372036854775808 tokens"),
+    (torch.tensor([0, 2**63 - 1]), True, r"seq_lens adds up to 9223372036854775807 tokens"),
+], ids=["empty-cumsum", "sum-past-int64", "huge-cumsum"])
+def test_allocating_gather_helper_names_seq_lens_before_allocating(seq_lens, cumsum, message):
+    """The helper sizes its outputs from seq_lens on the host: values no table can address are
+    refused there, naming seq_lens, not as an IndexError or a "negative dimension" allocation."""
+    kc, vc, *_ = paged_case(4, 4, [3], key_shape=(1, 8), value_shape=(1, 4), dtype=torch.float32)
+    tables = torch.zeros(max(seq_lens.shape[0] - int(cumsum), 0), 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        mla_ops.gather_pa_kv_cache(kc, vc, tables, seq_lens, is_seq_lens_cumsum=cumsum)
 
 
 def _guarded(shape, fill):

@@ -251,3 +251,120 @@ def test_info(capsys):
     assert main(["info"]) == 0
     text = capsys.readouterr().out
     assert "reference" in text and "pypto_sim" in text and "npu" in text
+
+
+# ------------------------------------------------------------------ inputs refused in one line
+def _variant(saved_checkpoint, tmp_path, name):
+    import shutil
+
+    directory = tmp_path / name
+    shutil.copytree(saved_checkpoint[0], directory)
+    return directory
+
+
+def _edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _rewrite_weights(directory, edit):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(directory / "model.safetensors")
+    save_file(edit(weights), directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def _narrow_kv_b(weights):
+    key = next(k for k in weights if k.endswith("kv_b_proj.weight"))
+    return {**weights, key: weights[key][:, :-1].contiguous()}
+
+
+def _pickle_with_an_object(directory):
+    import argparse
+
+    from safetensors.torch import load_file
+
+    weights = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    torch.save({**weights, "extra": argparse.Namespace(a=1)}, directory / "pytorch_model.bin")
+
+
+CHECKPOINT_CASES = {
+    "config-list": (lambda d: (d / "config.json").write_text("[1, 2]"), [],
+                    "config.json must be a JSON object"),
+    "truncated-safetensors": (lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:100_000]), [], "model.safetensors is not a readable safetensors file"),
+    "garbage-safetensors": (lambda d: (d / "model.safetensors").write_bytes(b"\x13" * 1000), [],
+                            "model.safetensors is not a readable safetensors file"),
+    "wrong-shapes": (lambda d: _rewrite_weights(d, _narrow_kv_b), [],
+                     r"1 weight\(s\) have shapes that do not match config.json \(model.layers.0.self_attn.kv_b_proj"),
+    "llama-model-type": (lambda d: _edit_config(d, model_type="llama"), [],
+                         "config.json says model_type 'llama', but mla-ops ask runs DeepSeek-V2"),
+    "missing-layer": (lambda d: _rewrite_weights(d, lambda w: {k: v for k, v in w.items() if ".layers.1." not in k}),
+                      [], r"the checkpoint lacks \d+ weight\(s\) the model needs \(model.layers.1."),
+    "pickle-the-safe-loader-refuses": (_pickle_with_an_object, ["--allow-pickle"],
+                                       r"the safe loader .* refuses even with --allow-pickle"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
+def test_broken_checkpoints_are_one_line_errors(case, saved_checkpoint, tmp_path, capsys):
+    import re
+
+    edit, extra, message = CHECKPOINT_CASES[case]
+    directory = _variant(saved_checkpoint, tmp_path, case)
+    edit(directory)
+    assert main(["ask", "--model-path", str(directory), "--output_length", "2", "--quiet", *extra]) == 2
+    out, err = capsys.readouterr()
+    error_lines = [line for line in err.splitlines() if line.startswith("mla-ops: error:")]
+    assert len(error_lines) == 1 and re.search(message, error_lines[0]), err
+    assert str(directory) in error_lines[0] and "A:" not in out
+
+
+def _binary_file(tmp_path):
+    path = tmp_path / "q.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    return str(path)
+
+
+def _file_as_folder(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    return str(tmp_path / "afile" / "out.json")
+
+
+@pytest.mark.parametrize("make_args,message", [
+    (lambda t: ["--prompt", ""], "--prompt is empty"),
+    (lambda t: ["--prompt", "  "], "--prompt is empty"),
+    (lambda t: ["--device", "mps"], "--device mps: device type 'mps' is not supported"),
+    (lambda t: ["--device", "meta"], "--device meta: device type 'meta' is not supported"),
+    (lambda t: ["--device", "xpu:0"], "--device xpu:0: device type 'xpu' is not supported"),
+    (lambda t: ["--sentence_file", _binary_file(t)], "not UTF-8 text"),
+    (lambda t: ["--output_length", str(10**12), "--use_acl_graph"],
+     r"--output_length 1000000000000: the prompt \(\d+ tokens\) plus this many new tokens exceeds"),
+    (lambda t: ["--output_length", str(10**12), "--use_kv_fusion", "--cache", "paged"],
+     "exceeds the model's 163840 positions"),
+    (lambda t: ["--report-file", _file_as_folder(t)], "--report-file .*out.json: cannot be written"),
+    (lambda t: ["--report-file", str(t)], "is a directory"),
+], ids=["empty-prompt", "blank-prompt", "mps", "meta", "xpu", "binary-sentence-file", "huge-output-acl-graph",
+        "huge-output-paged", "report-under-a-file", "report-is-a-folder"])
+def test_bad_ask_inputs_are_one_line_errors_before_any_generation(make_args, message, tmp_path, capsys):
+    import re
+
+    assert main(["ask", "--output_length", "2", *make_args(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(message, err) and err.count("\n") == 1 and err.startswith("mla-ops: error:"), err
+    assert "A:" not in out  # refused before the generation
+
+
+@pytest.mark.parametrize("args", [["bench", "ops", "--quick", "--json"], ["bench", "e2e", "--quick", "--plot"]],
+                         ids=["bench-json", "bench-plot"])
+def test_unwritable_bench_outputs_are_refused_before_measuring(args, tmp_path, capsys):
+    assert main([*args, _file_as_folder(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "cannot be written" in err and not out  # no table: nothing was measured
+
+
+def test_a_refusal_in_a_fresh_process_has_no_traceback(tmp_path):
+    code, out, err = run_cli("ask", "--sentence_file", _binary_file(tmp_path))
+    assert code == 2 and "Traceback" not in err and err.strip().count("\n") == 0, err

@@ -1,6 +1,8 @@
 """`mla.mla_decode_attention` against materialised attention over the same paged cache."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mla_ops
 from mla_ops.ops.decode_attention import decode_sync_free
@@ -151,3 +153,103 @@ def test_inference_mode_first_call_then_normal_calls():
     thread.start()
     thread.join()
     assert torch.equal(results["inference"], results["no_grad"])
+
+
+# ------------------------------------------------------------ slots a row must not attend to
+POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _poison_unattended(cache: torch.Tensor, tables: torch.Tensor, lens: list[int], value: float) -> torch.Tensor:
+    """A copy of cache with every slot no row attends to set to `value` (garbage of torch.empty, an
+    fp16 overflow): blocks no row uses, and the slots past each row's length in its last block."""
+    block_size = cache.shape[1]
+    attended = torch.zeros(cache.shape[0], block_size, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            attended[int(tables[b, t // block_size]), t % block_size] = True
+    poisoned = cache.clone()
+    poisoned[~attended] = value
+    return poisoned
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_a_poisoned_slot_past_the_length_leaves_the_output_finite(poison):
+    """One sequence whose last block is partly filled: the slots after its length hold NaN/inf."""
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _case(torch.float32, [6], block_size=4)
+    expected = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    key_cache = _poison_unattended(key_cache, tables, [6], POISONS[poison])
+    value_cache = _poison_unattended(value_cache, tables, [6], POISONS[poison])
+    for fn in (mla_ops.mla_decode_attention, decode_sync_free):
+        out = fn(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_an_inf_in_one_rows_latent_does_not_reach_a_row_whose_padding_ids_clamp_onto_it():
+    """Row 1's padding ids (-1) are clamped to block 0 on the sync-free path; block 0 belongs to
+    row 0, whose own latent holds an inf there. Row 1 never references it and must stay finite, and
+    a seq_lens == 0 padding row gives zeros."""
+    block_size, heads, lora, rope = 4, 2, 8, 4
+    g = torch.Generator().manual_seed(2)
+    key_cache = torch.randn(4, block_size, 1, lora, generator=g)
+    value_cache = torch.randn(4, block_size, 1, rope, generator=g)
+    tables = torch.tensor([[0, 1], [2, -1], [-1, -1]], dtype=torch.int32)
+    q_latent, q_pe = torch.randn(3, heads, lora, generator=g), torch.randn(3, heads, rope, generator=g)
+    key_cache[0, 3, 0, 0] = float("inf")  # row 0 attends to it (6 tokens); its output may be non-finite
+    out = decode_sync_free(q_latent, q_pe, key_cache, value_cache, tables, torch.tensor([6, 3, 0]), 0.3)
+    expected = materialized_decode_reference(q_latent[1:2], q_pe[1:2], key_cache, value_cache, tables[1:2],
+                                             torch.tensor([3]), 0.3)
+    torch.testing.assert_close(out[1:2].double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_property_poisoned_unattended_slots_never_reach_any_output(data):
+    """Random ragged batches over a shuffled pool whose every unattended slot is NaN or inf: both
+    the CPU path and the sync-free path equal the fp64 oracle over the attended slots; the
+    sync-free path also takes seq_lens == 0 padding rows (zeros) and garbage ids past a length."""
+    block_size = data.draw(st.sampled_from([1, 2, 4]))
+    lens = data.draw(st.lists(st.integers(1, 10), min_size=1, max_size=4))
+    poison = POISONS[data.draw(st.sampled_from(sorted(POISONS)))]
+    heads, lora, rope = 2, 8, 4
+    seed = data.draw(st.integers(0, 1000))
+    key_cache, value_cache, tables, _, _ = paged_case(sum(-(-n // block_size) for n in lens) + 2, block_size, lens,
+                                                      key_shape=(1, lora), value_shape=(1, rope),
+                                                      dtype=torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    q_latent, q_pe = torch.randn(len(lens), heads, lora, generator=g), torch.randn(len(lens), heads, rope, generator=g)
+    key_cache = _poison_unattended(key_cache, tables, lens, poison)
+    value_cache = _poison_unattended(value_cache, tables, lens, poison)
+    seq_lens = torch.tensor(lens)
+    expected = materialized_decode_reference(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    out = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    # sync-free: one row turned into padding (length 0), garbage ids past every length
+    pad = data.draw(st.integers(0, len(lens) - 1))
+    padded_lens = seq_lens.clone()
+    padded_lens[pad] = 0
+    garbage = tables.clone()
+    garbage[garbage < 0] = data.draw(st.sampled_from([-5, 0, 10**6]))
+    out = decode_sync_free(q_latent, q_pe, key_cache, value_cache, garbage, padded_lens, 0.3)
+    keep = [b for b in range(len(lens)) if b != pad]
+    torch.testing.assert_close(out[keep].double(), expected[keep], rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+
+
+@pytest.mark.parametrize("lens", [[6], [8, 6]], ids=["one-row-view-of-the-pool", "back-to-back-ragged"])
+def test_poison_past_the_length_of_back_to_back_blocks(lens):
+    """Back-to-back blocks are read through a view of the pool (no copy, so nothing can be zeroed
+    there): the poisoned tail past the longest row stays out of the output GEMM, and a ragged batch
+    takes the gather copy whose unattended rows are zeroed."""
+    block_size, heads, lora, rope = 4, 2, 8, 4
+    g = torch.Generator().manual_seed(9)
+    key_cache = torch.randn(len(lens) * 2 + 1, block_size, 1, lora, generator=g)
+    value_cache = torch.randn(len(lens) * 2 + 1, block_size, 1, rope, generator=g)
+    tables = torch.arange(len(lens) * 2, dtype=torch.int32).view(len(lens), 2)
+    q_latent, q_pe = torch.randn(len(lens), heads, lora, generator=g), torch.randn(len(lens), heads, rope, generator=g)
+    seq_lens = torch.tensor(lens)
+    key_cache = _poison_unattended(key_cache, tables, lens, float("nan"))
+    value_cache = _poison_unattended(value_cache, tables, lens, float("inf"))
+    out = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    expected = materialized_decode_reference(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)

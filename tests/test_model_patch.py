@@ -243,6 +243,12 @@ def test_bad_arguments():
         patch.apply(cache="latent")
     with pytest.raises(ValueError, match="no DeepSeek-V2 attention module found in Linear"):
         patch.apply(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got str"):
+        patch.apply("model")
+    with pytest.raises(ValueError, match="model: no DeepSeek-V2 module to patch in Linear"):
+        patch.apply(torch.nn.Linear(2, 2), kv_prolog=False, rms_norm=True)
+    with pytest.raises(ValueError, match="nothing to patch: kv_prolog, rope and rms_norm are all False"):
+        patch.apply(kv_prolog=False)
     assert not patch.active_patches()
 
 

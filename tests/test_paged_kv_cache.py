@@ -1,8 +1,15 @@
 """Paged KV-cache ops, bit-exact against a plain Python loop over their semantics.
 
+<<<<<<< ours
 Covers the ten sweep levels of the original GatherPaKvCache sample on the real network cache shapes,
 the two hand-targeted shapes, both seq_lens modes, tail blocks, nonzero seq_offset, rows no sequence
 covers, random tables (hypothesis), scatter -> gather round trips, and the device (sync-free) code path.
+=======
+Covers the ten sweep levels of the original GatherPaKvCache sample on the real network cache shapes, the two
+hand-targeted shapes,
+both seq_lens modes, tail blocks, nonzero seq_offset, rows no sequence covers, random tables
+(hypothesis), scatter -> gather round trips, and the device (sync-free) code path.
+>>>>>>> theirs
 """
 import pytest
 import torch
@@ -15,8 +22,13 @@ from mla_ops.ops.scatter_pa_kv_cache import scatter_sync_free
 
 from utils import gather_loop_reference, paged_case, scatter_loop_reference
 
+<<<<<<< ours
 # The original sample's network sweep (cann/pypto-gym, GatherPaKvCache tests): Q=4 with these totals,
 # and Q=3 with 44 tokens.
+=======
+# The original sample's network sweep (cann/pypto-gym, GatherPaKvCache tests): Q=4 with these totals, and Q=3
+# with 44 tokens.
+>>>>>>> theirs
 SWEEP_LEVELS = [(4, 6), (4, 27), (4, 31), (4, 35), (4, 39), (4, 43), (4, 47), (4, 51), (4, 55), (3, 44)]
 
 
@@ -119,13 +131,15 @@ def test_gather_int64_indices_and_noncontiguous_output():
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_gather_property_random_tables(data):
+    """Random tables, offsets, both seq_lens modes, empty tables, poisoned unread slots; the CPU
+    path and the sync-free path against the loop."""
     block_size = data.draw(st.sampled_from([1, 2, 4, 16]))
     num_blocks = data.draw(st.integers(1, 12))
     num_seqs = data.draw(st.integers(0, 5))
-    columns = data.draw(st.integers(1, 4))
+    columns = data.draw(st.integers(0, 4))  # 0: a [Q, 0] table, valid when every length is 0
     lens, offsets = [], []
     for _ in range(num_seqs):
-        off_cols = data.draw(st.integers(0, columns - 1))
+        off_cols = data.draw(st.integers(0, max(columns - 1, 0)))
         max_len = (columns - off_cols) * block_size
         lens.append(data.draw(st.integers(0, max_len)))
         offsets.append(off_cols * block_size)
@@ -141,6 +155,15 @@ def test_gather_property_random_tables(data):
     key, value = torch.randn(total, 2, 3), torch.randn(total, 1, 2)
     # without seq_offset every sequence starts at column 0, which always has room for its blocks
     offs = torch.tensor(offsets, dtype=torch.int32) if data.draw(st.booleans()) else None
+    # slots no sequence reads hold NaN/inf (torch.empty garbage): they must reach no output row
+    # (torch.equal fails on a NaN)
+    read = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for q, n in enumerate(lens):
+        first_col = 0 if offs is None else offsets[q] // block_size
+        for t in range(n):
+            read[int(tables[q, first_col + t // block_size]), t % block_size] = True
+    poison = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    key_cache[~read], value_cache[~read] = poison, poison
     exp = gather_loop_reference(key_cache, value_cache, tables, seq_lens, key, value, offs, cumsum_mode)
     out_key, out_value = key.clone(), value.clone()
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, seq_lens, out_key, out_value,
@@ -322,3 +345,20 @@ def test_scatter_any_cache_and_source_layout(layout, path):
     else:
         scatter_sync_free(k, v, kc, vc, slots)
     assert torch.equal(kc, expected[0]) and torch.equal(vc, expected[1])
+
+
+@pytest.mark.parametrize("cumsum_mode", [False, True])
+def test_gather_with_an_empty_block_table(cumsum_mode):
+    """A [Q, 0] table with zero lengths is valid: nothing is written, on the CPU path and the sync-free
+    path alike (which has no column to clamp ids into)."""
+    key_cache, value_cache = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 2)
+    tables = torch.zeros(1, 0, dtype=torch.int32)
+    seq_lens = torch.tensor([0, 0] if cumsum_mode else [0])
+    key, value = torch.randn(3, 1, 8), torch.randn(3, 1, 2)
+    for gather in (torch.ops.mla.gather_pa_kv_cache, gather_sync_free):
+        out_key, out_value = key.clone(), value.clone()
+        if gather is gather_sync_free:
+            gather(key_cache, value_cache, tables, seq_lens, out_key, out_value, None, cumsum_mode)
+        else:
+            gather(key_cache, value_cache, tables, seq_lens, out_key, out_value, is_seq_lens_cumsum=cumsum_mode)
+        assert torch.equal(out_key, key) and torch.equal(out_value, value)

@@ -417,8 +417,8 @@ def test_class_level_paged_revert_frees_the_absorbed_weights():
 
 
 def test_instance_dense_patch_under_a_class_level_paged_patch():
-    """A model-level dense patch inside a class-level paged one: the class-level model hook still
-    makes an MLAPagedCache, and the attention serves it by its type, with stock's tokens."""
+    """A model-level dense patch inside a class-level paged one: the instance's options win for that
+    model (generate makes its stock cache, served by the dense path), with stock's tokens."""
     config = tiny_config()
     ids = random_prompt(config, length=6)
     gen = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6)
@@ -427,5 +427,134 @@ def test_instance_dense_patch_under_a_class_level_paged_patch():
         expected = model.generate(ids, **gen)
         with patch.apply(cache="paged"), patch.apply(model, rope=True):
             got = model.generate(ids, **gen, return_dict_in_generate=True)
-    assert isinstance(got.past_key_values, MLAPagedCache)
+    assert isinstance(got.past_key_values, DynamicCache)
     assert torch.equal(got.sequences, expected)
+
+
+# ------------------------------------------------------------------ copies, saves, patch scopes
+def _deepcopy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def _save_and_load(model):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+PATCH_ENTRIES = ("forward", "_mla_ops_options", "_mla_ops_absorbed", "__getstate__", "_prepare_cache_for_generation")
+
+
+def _assert_plain_stock(model, ids, expected):
+    for module in model.modules():
+        assert not set(PATCH_ENTRIES) & set(module.__dict__), f"{type(module).__name__} kept a patch entry"
+    with torch.no_grad(), MlaCalls() as calls:
+        out = model(ids, use_cache=True)
+    assert not calls.counts and not isinstance(out.past_key_values, MLAPagedCache)
+    assert torch.equal(out.logits, expected)
+
+
+@pytest.mark.parametrize("copy_fn", [_deepcopy, _save_and_load], ids=["deepcopy", "torch.save"])
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+def test_copies_and_saves_of_an_instance_patched_model_are_stock_and_patchable(cache, copy_fn):
+    """A copy (deepcopy, or torch.save + torch.load) of an instance-patched model is a plain stock
+    model: no patch entry, stock logits, no mla op; apply() patches it and revert() restores it; the
+    original keeps its own patch."""
+    config = tiny_config()
+    model = build_model(config)
+    ids = random_prompt(config, length=6)
+    with torch.no_grad():
+        expected = model(ids, use_cache=True).logits
+    handle = patch.apply(model, cache=cache)
+    with torch.no_grad():  # a paged prefill and a decode step: the absorbed copies exist
+        out = model(ids, use_cache=True)
+        model(ids[:, -1:], cache=out.past_key_values, use_cache=True)
+    clone = copy_fn(model)
+    _assert_plain_stock(clone, ids, expected)
+    with patch.apply(clone, cache=cache), torch.no_grad(), MlaCalls() as calls:
+        out = clone(ids, use_cache=True)
+    assert calls.counts and isinstance(out.past_key_values, MLAPagedCache) == (cache == "paged")
+    _assert_plain_stock(clone, ids, expected)
+    with torch.no_grad(), MlaCalls() as calls:
+        model(ids, use_cache=True)
+    assert calls.counts, "the original keeps its patch"
+    handle.revert()
+    _assert_plain_stock(model, ids, expected)
+
+
+@pytest.mark.parametrize("copy_fn", [_deepcopy, _save_and_load], ids=["deepcopy", "torch.save"])
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+def test_copies_of_a_class_patched_model_follow_the_class(cache, copy_fn):
+    """Under a class-level patch a copy is a model of the patched class (it uses the ops, like any
+    model of it) and is stock once the class patch is reverted; the absorbed copies are not copied."""
+    config = tiny_config()
+    stock = build_model(config)
+    ids = random_prompt(config, length=6)
+    with torch.no_grad():
+        expected = stock(ids, use_cache=True).logits
+    with patch.apply(cache=cache):
+        model = build_model(config)
+        model.load_state_dict(stock.state_dict())
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            model(ids[:, -1:], cache=out.past_key_values, use_cache=True)
+        clone = copy_fn(model)
+        assert not any("_mla_ops_absorbed" in m.__dict__ for m in clone.modules())
+        with torch.no_grad(), MlaCalls() as calls:
+            out = clone(ids, use_cache=True)
+        assert calls.counts and isinstance(out.past_key_values, MLAPagedCache) == (cache == "paged")
+    _assert_plain_stock(clone, ids, expected)
+
+
+def test_an_instance_dense_patch_wins_over_a_class_paged_patch():
+    config = tiny_config()
+    ids = random_prompt(config, length=6)
+    with patch.apply(cache="paged"):
+        model, other = build_model(config), build_model(config)
+        with patch.apply(model, cache="dense"), torch.no_grad(), MlaCalls() as calls:
+            assert isinstance(model(ids, use_cache=True).past_key_values, DynamicCache)
+            out = model.generate(ids, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
+            assert not isinstance(out.past_key_values, MLAPagedCache)
+            assert calls.counts["kv_prolog"] and "mla_decode_attention" not in calls.counts
+        with torch.no_grad():  # the class patch still serves the other models
+            out = other.generate(ids, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
+        assert isinstance(out.past_key_values, MLAPagedCache)
+        with torch.no_grad():  # and this one again once its own patch is gone
+            assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
+    # the other order: the class-level paged patch applied after the instance's dense one
+    model = build_model(config)
+    with patch.apply(model, cache="dense"), patch.apply(cache="paged"), torch.no_grad():
+        assert isinstance(model(ids, use_cache=True).past_key_values, DynamicCache)
+        out = model.generate(ids, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
+        assert not isinstance(out.past_key_values, MLAPagedCache)
+
+
+def test_dynamic_pool_reserves_what_is_generated_not_max_new_tokens():
+    """generate() sizes the cache for prompt + max_new_tokens; a generation that stops after 5 tokens
+    must hold about 5 tokens' worth of blocks, not 200000 (the static cache preallocates by design)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from mla_ops.integrations.transformers.paged_cache import MAX_INITIAL_TOKENS_PER_ROW
+
+    class AfterFive(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 6 + 5, dtype=torch.bool)
+
+    config = tiny_config()
+    model = build_model(config)
+    ids = random_prompt(config, length=6)
+    with torch.no_grad(), patch.apply(model, cache="paged"):
+        out = model.generate(ids, do_sample=False, max_new_tokens=200_000, return_dict_in_generate=True,
+                             stopping_criteria=StoppingCriteriaList([AfterFive()]))
+    assert out.sequences.shape[1] == 11
+    cache = out.past_key_values
+    assert isinstance(cache, MLAPagedCache) and not cache.static
+    reserved_tokens = cache.layers[0].latent_pool.shape[0] * cache.block_size
+    assert reserved_tokens <= MAX_INITIAL_TOKENS_PER_ROW + cache.block_size  # not 200006 tokens
+    assert cache.memory_report()["pool_bytes"] <= 2 * (MAX_INITIAL_TOKENS_PER_ROW + cache.block_size) * (
+        config.kv_lora_rank + config.qk_rope_head_dim) * 4 * config.num_hidden_layers

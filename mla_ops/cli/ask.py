@@ -9,6 +9,7 @@ tokens/s and generation peak memory (plus time to first token and decode tokens/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from .runtime import CliError, PeakMemory, offline_environment, resolve_device, timed
+from .runtime import CliError, PeakMemory, check_writable, first_line, offline_environment, resolve_device, timed
 
 DEFAULT_PROMPT = "Introduce the Python programming language in a few sentences."
 
@@ -75,13 +76,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_prompt(args) -> str:
-    if args.prompt:
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise CliError("--prompt is empty; give the question text, or leave --prompt out for the default "
+                           "question")
         return args.prompt
     if args.sentence_file:
         path = pathlib.Path(args.sentence_file)
         if not path.is_file():
             raise CliError(f"--sentence_file {path}: no such file")
-        lines = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
+        try:
+            content = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CliError(f"--sentence_file {path}: not UTF-8 text (byte {exc.start}); give a plain text "
+                           f"file") from None
+        if "\x00" in content:  # NUL bytes decode as UTF-8 but mean a binary file
+            raise CliError(f"--sentence_file {path}: a binary file (it contains NUL bytes); give a plain text file")
+        lines = [line.rstrip("\n") for line in content.splitlines()]
         text = "\n".join(line for line in lines if line.strip())
         if not text:
             raise CliError(f"--sentence_file {path}: the file is empty")
@@ -96,6 +107,8 @@ def _validate(args) -> None:
         raise CliError(f"--min-output-length must be between 0 and --output_length ({args.output_length})")
     if args.cache == "paged" and not args.use_kv_fusion:
         raise CliError("--cache paged needs --use_kv_fusion (the paged latent cache is fed by the fused prolog)")
+    if args.report_file:
+        check_writable("--report-file", args.report_file)
 
 
 class _TimingStreamer:
@@ -177,6 +190,14 @@ def run(args) -> dict:
         input_ids = encoded.input_ids.to(device)
         attention_mask = encoded.attention_mask.to(device)
 
+    # A cache is sized (graph mode) or may grow (paged, dense) for prompt + --output_length tokens:
+    # past the model's positions that is no answer, and past the machine's memory an allocator
+    # traceback. Refused before any generation.
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if max_positions and input_ids.shape[1] + args.output_length > max_positions:
+        raise CliError(f"--output_length {args.output_length}: the prompt ({input_ids.shape[1]} tokens) plus this "
+                       f"many new tokens exceeds the model's {max_positions} positions (max_position_embeddings); "
+                       f"lower --output_length to at most {max(max_positions - input_ids.shape[1], 0)}")
     compile_seconds = None
     if args.use_acl_graph:
         # One static cache size for warm-up and the measured run, so the compiled step is reused.
@@ -184,7 +205,7 @@ def run(args) -> dict:
         # Compile outside the timed generation, as the original warmed up before measuring: a
         # two-token generate traces and compiles the decode step (transformers compiles decode only).
         say("graph mode: compiling the decode step (warm-up generate of 2 tokens)")
-        with torch.no_grad(), timed(device) as warm:
+        with torch.no_grad(), timed(device) as warm, _cache_fits(args):
             model.generate(input_ids, attention_mask=attention_mask, **{**generate_kwargs, "max_new_tokens": 2,
                                                                         "min_new_tokens": 2})
         compile_seconds = warm["seconds"]
@@ -195,7 +216,7 @@ def run(args) -> dict:
         print(f"\nQ: {prompt}\nA: ", end="", flush=True)
     memory.reset()
     try:
-        with torch.no_grad(), timed(device) as gen_time:
+        with torch.no_grad(), timed(device) as gen_time, _cache_fits(args):
             start = time.perf_counter()
             output = model.generate(input_ids, attention_mask=attention_mask, streamer=streamer, **generate_kwargs)
     finally:
@@ -230,11 +251,28 @@ def run(args) -> dict:
     print()
     _print_metrics(report)
     if args.report_file:
-        path = pathlib.Path(args.report_file)
+        path = pathlib.Path(args.report_file).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         print(f"report written to {path}")
     return report
+
+
+_ALLOCATION_FAILURES = ("can't allocate memory", "out of memory", "not enough memory", "negative dimension",
+                        "invalid buffer size", "std::bad_alloc")
+
+
+@contextlib.contextmanager
+def _cache_fits(args):
+    """A cache sized for prompt + --output_length tokens (the static cache of graph mode) that the
+    machine cannot allocate: one line naming --output_length, not an allocator traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if not isinstance(exc, MemoryError) and not any(k in str(exc) for k in _ALLOCATION_FAILURES):
+            raise
+        raise CliError(f"--output_length {args.output_length}: the cache for the prompt plus this many tokens does "
+                       f"not fit in memory ({first_line(exc)[:160]}); lower --output_length") from None
 
 
 def _version(dist: str) -> str:

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 from ..bench.timing import format_table
 from .arguments import int_at_least, int_list
-from .runtime import CliError
+from .runtime import CliError, check_writable
 
 
 class Benchmark(NamedTuple):
@@ -233,6 +233,10 @@ def run(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # outputs are checked before the measurements, which can take minutes
+    check_writable("--json", args.json_path)
+    if getattr(args, "plot", None):
+        check_writable("--plot", args.plot)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
     payload = BENCHMARKS[args.kind].run(args, meta)
     target = pathlib.Path(args.json_path)

@@ -10,15 +10,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import pickle
 from typing import Callable, Optional
 
 import torch
 
-from .runtime import CliError, resolve_dtype
+from .runtime import CliError, first_line, resolve_dtype
 
 BUILTIN_TOKENIZER = pathlib.Path(__file__).resolve().parents[1] / "assets" / "builtin_tokenizer"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+DEEPSEEK_V2_TYPES = ("deepseek_v2",)  # the native model's and the hub remote code's config
 
 
 @dataclasses.dataclass
@@ -60,8 +62,15 @@ def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool) -> dict:
         raise CliError(f"--model-path {path}: config.json is missing; is this a transformers checkpoint directory?")
     try:
         config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CliError(f"--model-path {path}: config.json is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CliError(f"--model-path {path}: config.json must be a JSON object (a model config), got a JSON "
+                       f"{type(config).__name__}; use the checkpoint's own config.json")
+    model_type = config.get("model_type")
+    if model_type not in DEEPSEEK_V2_TYPES:
+        raise CliError(f"--model-path {path}: config.json says model_type {model_type!r}, but mla-ops ask runs "
+                       f"DeepSeek-V2 checkpoints (model_type {DEEPSEEK_V2_TYPES[0]!r}); point --model-path at one")
     safetensors = sorted(path.glob("*.safetensors"))
     pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if not safetensors and pickles and not allow_pickle:
@@ -73,7 +82,23 @@ def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool) -> dict:
         raise CliError(f"--model-path {path}: no weights found (*.safetensors)")
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         raise CliError(f"--model-path {path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    for file in safetensors:
+        _check_safetensors(path, file)
     return {"config": config, "safetensors": bool(safetensors)}
+
+
+def _check_safetensors(path: pathlib.Path, file: pathlib.Path) -> None:
+    """Read a safetensors file's header (its tensor table, no data): a truncated or garbage file is
+    named here rather than failing deep inside transformers."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # opening checks the header's offsets against the file size
+                handle.get_slice(key)
+    except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ...
+        raise CliError(f"--model-path {path}: {file.name} is not a readable safetensors file ({first_line(exc)}); "
+                       f"re-download or re-save the checkpoint") from None
 
 
 def _checkpoint_dtype(config: dict) -> Optional[torch.dtype]:
@@ -97,11 +122,29 @@ def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     progress(f"loading weights from {path} ({'safetensors' if info['safetensors'] else 'pickle'}, {dtype})")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        # mismatched shapes are collected (and refused below, by name) rather than raised
+        model, loading_info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code,
-            use_safetensors=info["safetensors"], attn_implementation=attn)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"--model-path {path}: transformers could not load the checkpoint: {exc}") from None
+            use_safetensors=info["safetensors"], attn_implementation=attn, output_loading_info=True,
+            ignore_mismatched_sizes=True)
+    except pickle.UnpicklingError:
+        raise CliError(f"--model-path {path}: the pickle weights hold objects other than tensors, which the safe "
+                       f"loader (torch.load(weights_only=True)) refuses even with --allow-pickle; convert the "
+                       f"checkpoint to safetensors") from None
+    except Exception as exc:  # a broken config, an unreadable file, ...
+        raise CliError(f"--model-path {path}: transformers could not load the checkpoint ({first_line(exc)[:300]}); "
+                       f"check that the weights match config.json") from None
+    mismatched = loading_info.get("mismatched_keys") or ()
+    if mismatched:
+        shown = "; ".join(f"{e[0]}: checkpoint {list(e[1])} vs model {list(e[2])}"
+                          if isinstance(e, (tuple, list)) and len(e) == 3 else str(e) for e in list(mismatched)[:3])
+        raise CliError(f"--model-path {path}: {len(mismatched)} weight(s) have shapes that do not match config.json "
+                       f"({shown}); use the config.json saved with these weights")
+    missing = sorted(loading_info.get("missing_keys") or ())
+    if missing:  # transformers would fill them with random values and only log a warning
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise CliError(f"--model-path {path}: the checkpoint lacks {len(missing)} weight(s) the model needs "
+                       f"({shown}); they would be random. Use a complete checkpoint")
     model = model.to(device).eval()
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id

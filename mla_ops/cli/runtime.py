@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
+import re
 import time
 from typing import Iterator, Optional
 
@@ -17,6 +19,31 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 class CliError(Exception):
     """A user-facing error: printed as `mla-ops: error: <message>`, exit status 2."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message on one line (library errors often carry tracebacks or tables)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()  # no terminal colour codes
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def check_writable(flag: str, path_name: str) -> pathlib.Path:
+    """Refuse an output path that cannot be written, before any work: a report or a table that fails
+    to save after a whole generation or benchmark throws the run away. Creates missing parent
+    directories (as the writer would) and leaves no file behind."""
+    path = pathlib.Path(path_name).expanduser()
+    if path.is_dir():
+        raise CliError(f"{flag} {path}: is a directory; give a file name")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise CliError(f"{flag} {path}: cannot be written ({exc.strerror or exc}); choose a writable path") from None
+    if not existed:
+        path.unlink()
+    return path
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -44,6 +71,9 @@ def resolve_device(spec: str) -> torch.device:
     except RuntimeError:
         raise CliError(f"--device {spec!r} is not a device: use cpu, an accelerator index (0, 1, ...), "
                        f"npu:N or cuda:N") from None
+    if device.type not in ("cpu", "cuda", "npu"):  # mps, meta, xpu, ...: no backend or path here runs them
+        raise CliError(f"--device {spec}: device type {device.type!r} is not supported; use cpu, an accelerator "
+                       f"index (0, 1, ...), npu:N or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CliError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
     if device.type == "npu":

@@ -18,6 +18,7 @@ gathered context to fp32 would cost more than the rest of the step (measured at 
 """
 import math
 import threading
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -163,11 +164,17 @@ def _strided_context(cache: Tensor, block_ids: Tensor):
 
 
 def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_lens: Tensor,
-            softmax_scale: float, mask: bool) -> Tensor:
+            softmax_scale: float, mask: bool, out_len: Optional[int] = None) -> Tensor:
     """Scores over the gathered context [B, T, L] / [B, T, R] -> o_latent [B, N, L]. With `mask`,
     positions at or past a row's length are not attended, and a row with no position left
     (seq_lens <= 0: a padding row of a captured batch) yields zeros, not the NaN of an all -inf
-    softmax."""
+    softmax. The caller guarantees the latent rows of unattended positions are zeros (or absent):
+    a zero probability times a NaN/inf there would still be NaN in `probs @ latent`. Scores need
+    no such care: masked_fill replaces a NaN score too. `out_len`: only the first positions enter
+    `probs @ latent` (those past it are masked, and may hold anything); the score GEMM keeps the
+    whole-block width, because ATen's CPU bf16 GEMM is ~60x slower when that width is not a
+    multiple of the block (measured 14 ms vs 0.23 ms at 2000 vs 2048 positions), while the output
+    GEMM is not (it reduces over the positions)."""
     scores = torch.bmm(q_latent, latent.transpose(1, 2)).float()  # [B, N, T]
     scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).float()
     scores *= softmax_scale
@@ -178,6 +185,8 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
     probs = torch.softmax(scores, dim=-1)
     if mask:
         probs.masked_fill_((lens <= 0)[:, None, None], 0.0)
+    if out_len is not None and out_len != latent.shape[1]:
+        probs, latent = probs[..., :out_len], latent[:, :out_len]
     return torch.bmm(probs.to(latent.dtype), latent)
 
 
@@ -185,13 +194,18 @@ def decode_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_ca
                       block_tables: Tensor, seq_lens: Tensor, softmax_scale: float) -> Tensor:
     """Device path (CUDA, ...): no host sync, so graph-capturable. The whole table width is gathered
     (a static shape), ids are clamped into the pool so nothing is read out of bounds whatever the
-    values, and every row is masked to its length (ids past it are never attended)."""
+    values, and every row is masked to its length (ids past it are never attended). The gathered
+    latent of unattended positions is zeroed: whatever the pool holds there (torch.empty garbage,
+    an fp16 overflow in another sequence's block that a clamped padding id points at) stays out of
+    every output."""
     num_blocks = key_cache.shape[0]
     if q_latent.shape[0] == 0 or block_tables.shape[1] == 0:
         return q_latent.new_zeros(q_latent.shape)
     block_ids = block_tables.long().clamp(0, num_blocks - 1)
     latent = _gather_context("latent", key_cache, block_ids)  # [B, T, L]
     k_pe = _gather_context("k_pe", value_cache, block_ids)  # [B, T, R]
+    positions = torch.arange(latent.shape[1], device=latent.device)
+    latent.masked_fill_((positions[None, :] >= seq_lens.long()[:, None])[:, :, None], 0)
     return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask=True)
 
 
@@ -207,15 +221,27 @@ def mla_decode_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Te
     blocks = math.ceil(longest / block_size)
     if batch == 0 or blocks == 0:
         return q_latent.new_zeros(q_latent.shape)
+    lens = seq_lens.tolist()
+    ragged = min(lens) != longest
     # Shorter rows' entries past their length may be padding (-1): clamped, and masked below.
     block_ids = block_tables[:, :blocks].long().clamp(0, num_blocks - 1)
-    latent, k_pe = _strided_context(key_cache, block_ids), _strided_context(value_cache, block_ids)
+    # A view of the pool cannot have its unattended rows zeroed: ragged rows take the gather copy.
+    latent = k_pe = None
+    if not ragged:
+        latent, k_pe = _strided_context(key_cache, block_ids), _strided_context(value_cache, block_ids)
     if latent is None or k_pe is None:
         latent = _gather_context("latent", key_cache, block_ids)  # [B, T, L]
         k_pe = _gather_context("k_pe", value_cache, block_ids)  # [B, T, R]
-    # one full-length row attends to every gathered position: no mask needed
-    mask = longest != latent.shape[1] or batch > 1
-    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask)
+        # Zero what shorter rows must not attend to (our own workspace): 0 * NaN would leak into
+        # probs @ latent. Only the tails, on the host-known lengths: a few small fills, no pass
+        # over the whole context.
+        for b, n in enumerate(lens):
+            if n < longest:
+                latent[b, n:longest].zero_()
+    # Positions past the longest row (the tail of its last block, possibly a view of the pool) are
+    # masked in the scores and left out of the output GEMM.
+    mask = ragged or longest != latent.shape[1]
+    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask, out_len=longest)
 
 
 MLA_DECODE_ATTENTION = define_op(

@@ -27,16 +27,24 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._checks import check_index, check_rank, check_same_device, check_size, memo_by_signature
+from .._checks import (
+    check_index,
+    check_rank,
+    check_same_device,
+    check_size,
+    check_writable_layout,
+    memo_by_signature,
+)
 from .._library import define_op
 from ._paged import check_cache_pair, check_token_tensor, first_bad, slot_index, validates_on_host, wide_rows
 
 
 # ----------------------------------------------------------------------------------------- checks
 def _check_gather_args(op: str, key_cache, value_cache, block_tables, seq_lens, key, value,
-                       seq_offset: Optional[Tensor], is_seq_lens_cumsum: bool) -> None:
+                       seq_offset: Optional[Tensor], is_seq_lens_cumsum: bool, writes_outputs: bool) -> None:
     """Caches [NB, bs, H*, D*]; block_tables [Q, max_blocks]; seq_lens [Q+1] (cumsum) or [Q];
-    seq_offset [Q] or None; key [T, Hk, Dk], value [T, Hv, Dv] outputs."""
+    seq_offset [Q] or None; key [T, Hk, Dk], value [T, Hv, Dv] outputs (written in place unless
+    functional, whose copies own their memory)."""
     check_cache_pair(op, key_cache, value_cache)
     check_token_tensor(op, "key", key, "key_cache", key_cache)
     check_token_tensor(op, "value", value, "value_cache", value_cache)
@@ -61,20 +69,23 @@ def _check_gather_args(op: str, key_cache, value_cache, block_tables, seq_lens, 
         check_size(op, "seq_offset", seq_offset.shape[0], num_seqs, "needs one offset per sequence")
     check_same_device(op, {"key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
                            "seq_lens": seq_lens, "key": key, "value": value, "seq_offset": seq_offset})
+    if writes_outputs:  # both before anything is written: no half-done gather into key
+        check_writable_layout(op, "key", key)
+        check_writable_layout(op, "value", value)
 
 
 @memo_by_signature
 def check_gather_pa_kv_cache_args(key_cache, value_cache, block_tables, seq_lens, key, value, *,
                                   seq_offset=None, is_seq_lens_cumsum=False) -> None:
     _check_gather_args("gather_pa_kv_cache", key_cache, value_cache, block_tables, seq_lens, key, value,
-                       seq_offset, is_seq_lens_cumsum)
+                       seq_offset, is_seq_lens_cumsum, writes_outputs=True)
 
 
 @memo_by_signature
 def check_gather_pa_kv_cache_functional_args(key_cache, value_cache, block_tables, seq_lens, key, value, *,
                                              seq_offset=None, is_seq_lens_cumsum=False) -> None:
     _check_gather_args("gather_pa_kv_cache_functional", key_cache, value_cache, block_tables, seq_lens, key,
-                       value, seq_offset, is_seq_lens_cumsum)
+                       value, seq_offset, is_seq_lens_cumsum, writes_outputs=False)
 
 
 def gather_sequence_layout(block_tables: Tensor, seq_lens: Tensor, seq_offset: Optional[Tensor],
@@ -125,19 +136,28 @@ def check_gather_values(op: str, key_cache: Tensor, block_tables: Tensor, seq_le
                              f"{block_size}; offsets select whole block-table columns")
     starts, lens, table_offset = gather_sequence_layout(block_tables, seq_lens, offsets, is_seq_lens_cumsum,
                                                         block_size)
-    total = int(lens.sum())
+    columns = block_tables.shape[1]
+    # Bounds before sums: an offset or length near 2**63 would overflow int64 in the arithmetic
+    # below and slip past the range checks as a negative number.
+    if bool((table_offset > columns).any()):
+        q = first_bad(table_offset > columns)
+        raise ValueError(f"mla.{op}: seq_offset[{q}] = {int(offsets[q])} starts at block-table column "
+                         f"{int(table_offset[q])} but block_tables has only {columns} columns; offsets count tokens "
+                         f"into a sequence's own table row (at most {columns} x block_size {block_size})")
+    room = (columns - table_offset) * block_size  # tokens the table row can still address
+    if bool((lens > room).any()):
+        q = first_bad(lens > room)
+        n, first = int(lens[q]), int(table_offset[q])  # Python ints: no overflow in the message
+        raise ValueError(f"mla.{op}: sequence {q} needs block-table columns {first}.."
+                         f"{first + -(-n // block_size) - 1} ({n} tokens from seq_offset "
+                         f"{0 if offsets is None else int(offsets[q])}) but block_tables has only {columns} "
+                         f"columns; seq_lens may hold at most {int(room[q])} tokens for it")
+    total = int(lens.sum())  # each length fits its table row now, so the sum cannot overflow
     if total > out_rows:
         raise ValueError(f"mla.{op}: the sequences hold {total} tokens but key/value have only {out_rows} rows; "
                          f"allocate outputs of at least {total} rows (mla_ops.gather_pa_kv_cache does this)")
     blocks_needed = torch.div(lens + block_size - 1, block_size, rounding_mode="floor")
     last_col = table_offset + blocks_needed
-    columns = block_tables.shape[1]
-    if bool((last_col > columns).any()):
-        q = first_bad(last_col > columns)
-        raise ValueError(f"mla.{op}: sequence {q} needs block-table columns {int(table_offset[q])}.."
-                         f"{int(last_col[q]) - 1} ({int(lens[q])} tokens from seq_offset "
-                         f"{0 if offsets is None else int(offsets[q])}) but block_tables has only {columns} "
-                         f"columns")
     cols = torch.arange(columns)
     used = (cols >= table_offset[:, None]) & (cols < last_col[:, None])
     ids = block_tables.long()
@@ -234,7 +254,10 @@ def gather_sync_free(key_cache, value_cache, block_tables, seq_lens, key, value,
     covered = (t >= 0) & (t < lens[seq])
     col = table_offset[seq] + torch.div(t, block_size, rounding_mode="floor")
     col_ok = (col >= 0) & (col < columns)
-    physical = block_tables[seq, col.clamp(0, columns - 1)].long()
+    if columns:
+        physical = block_tables[seq, col.clamp(0, columns - 1)].long()
+    else:  # a [Q, 0] table (valid when every length is 0): no column to clamp into, no block to read
+        physical = torch.full_like(col, -1)
     ok = covered & col_ok & (physical >= 0) & (physical < num_blocks)
     src = torch.where(ok, physical * block_size + torch.remainder(t, block_size), 0)
     for cache, out in ((key_cache, key), (value_cache, value)):
@@ -317,6 +340,25 @@ def gather_pa_kv_cache_into(key_cache: Tensor, value_cache: Tensor, block_tables
                                              seq_offset=seq_offset, is_seq_lens_cumsum=is_seq_lens_cumsum)
 
 
+def _total_tokens(block_tables: Tensor, seq_lens: Tensor, is_seq_lens_cumsum: bool, block_size: int) -> int:
+    """The output rows the helper allocates, read on the host, bounded before any allocation: an
+    empty cumulative seq_lens or lengths summing past int64 would otherwise surface as an
+    IndexError or a "negative dimension" from the allocator instead of naming seq_lens."""
+    if seq_lens.dim() != 1 or block_tables.dim() != 2:  # the op's check names the wrong rank
+        return int(seq_lens[-1]) if is_seq_lens_cumsum else int(seq_lens.sum())
+    lens = seq_lens.tolist()  # Python ints: exact sums, no int64 wrap-around
+    if is_seq_lens_cumsum and not lens:
+        raise ValueError("mla.gather_pa_kv_cache: seq_lens is empty, but with is_seq_lens_cumsum=True it holds "
+                         "num_seqs + 1 cumulative entries starting at 0 (pass [0] for no sequence)")
+    total = lens[-1] if is_seq_lens_cumsum else sum(lens)
+    capacity = block_tables.shape[0] * block_tables.shape[1] * block_size
+    if total < 0 or total > capacity:
+        raise ValueError(f"mla.gather_pa_kv_cache: seq_lens adds up to {total} tokens, but block_tables "
+                         f"({block_tables.shape[0]} sequences x {block_tables.shape[1]} blocks of {block_size}) "
+                         f"addresses at most {capacity}; each length must be between 0 and its table row's capacity")
+    return total
+
+
 def gather_pa_kv_cache(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, *,
                        seq_offset: Optional[Tensor] = None, is_seq_lens_cumsum: bool = False,
                        total_tokens: Optional[int] = None, validate: bool = False):
@@ -339,7 +381,7 @@ def gather_pa_kv_cache(key_cache: Tensor, value_cache: Tensor, block_tables: Ten
         `(key [total_tokens, Hk, Dk], value [total_tokens, Hv, Dv])`.
     """
     if total_tokens is None:
-        total_tokens = int(seq_lens[-1]) if is_seq_lens_cumsum else int(seq_lens.sum())
+        total_tokens = _total_tokens(block_tables, seq_lens, is_seq_lens_cumsum, key_cache.shape[1])
     if total_tokens < 0:
         raise ValueError(f"mla.gather_pa_kv_cache: total_tokens must be >= 0, got {total_tokens}")
     key = key_cache.new_empty((total_tokens, *key_cache.shape[2:]))

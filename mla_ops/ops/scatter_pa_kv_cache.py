@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_index, check_rank, check_same_device, check_size, memo_by_signature
+from .._checks import (
+    check_index,
+    check_rank,
+    check_same_device,
+    check_size,
+    check_writable_layout,
+    memo_by_signature,
+)
 from .._library import define_op
 from ._paged import check_cache_pair, check_token_tensor, first_bad, slot_index, validates_on_host, wide_rows
 
@@ -37,6 +44,8 @@ def check_scatter_pa_kv_cache_args(key, value, key_cache, value_cache, slot_mapp
                "length must equal the token count of key (use a negative slot for padding tokens)")
     check_same_device(OP, {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
                            "slot_mapping": slot_mapping})
+    check_writable_layout(OP, "key_cache", key_cache)
+    check_writable_layout(OP, "value_cache", value_cache)
 
 
 def check_scatter_values(slot_mapping: Tensor, num_slots: int) -> Tensor:

@@ -46,6 +46,7 @@ from .modeling import (
     is_rms_norm,
     native_module,
 )
+from .paged_attention import ABSORBED_ATTRIBUTE
 from .patching import PatchHandle, open_handle
 
 CACHE_MODES = ("dense", "paged")
@@ -75,6 +76,11 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
         Applying again to the same model (or to the classes) first reverts the previous patch there:
         the newest options win.
     """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a loaded DeepSeek-V2 model), or None to patch the "
+                        f"classes; got {type(model).__name__}")
+    if not (kv_prolog or rope or rms_norm):
+        raise ValueError("nothing to patch: kv_prolog, rope and rms_norm are all False; enable at least one")
     if cache not in CACHE_MODES:
         raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
     if cache == "paged" and not kv_prolog:
@@ -84,7 +90,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
     # Everything that can refuse this model is checked before the previous patch is touched.
     targets = None if model is None else _instance_targets(model, options)
     scope = "classes" if model is None else weakref.ref(model)
-    handle = open_handle(options, scope)
+    handle = open_handle(options, scope, derived=(ABSORBED_ATTRIBUTE,))
     try:
         _patch(handle, model, targets, options)
     except BaseException:
@@ -123,6 +129,9 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> list:
                          f"transformers' DeepseekV2Attention or the hub remote code's (modeling_deepseek.py)")
     if options.cache == "paged" and not decoder_found:
         raise ValueError(f"cache='paged' needs a transformers DeepseekV2Model inside {type(model).__name__}")
+    if not targets:  # rms_norm alone on a model without DeepSeek-V2 norms: a patch that does nothing
+        raise ValueError(f"model: no DeepSeek-V2 module to patch in {type(model).__name__} (rms_norm=True looks "
+                         f"for DeepseekV2RMSNorm); pass a DeepSeek-V2 model")
     return targets
 
 
@@ -132,6 +141,8 @@ def _patch(handle: PatchHandle, model, targets, options: PatchOptions) -> None:
         if options.kv_prolog or options.rope:
             handle.set(hf.DeepseekV2Attention, "_mla_ops_options", options)
             handle.set(hf.DeepseekV2Attention, "forward", native_attention_forward)
+            # copies of a class-patched model follow the class; only the derived copies stay behind
+            handle.set(hf.DeepseekV2Attention, "__getstate__", _state_without_absorbed)
             handle.patched_modules += 1
         if options.rms_norm:
             handle.set(hf.DeepseekV2RMSNorm, "forward", rms_norm_forward)
@@ -144,3 +155,11 @@ def _patch(handle: PatchHandle, model, targets, options: PatchOptions) -> None:
             handle.patched_modules += 1
     if options.cache == "paged":
         generation.install_cache_factory(hf.DeepseekV2Model if model is None else model, handle)
+    # (a dense instance patch needs no hook of its own: a class-level paged hook defers to its options)
+
+
+def _state_without_absorbed(self) -> dict:
+    """DeepseekV2Attention's pickling state without the absorbed weight copies the paged decode made."""
+    state = torch.nn.Module.__getstate__(self)
+    state.pop(ABSORBED_ATTRIBUTE, None)
+    return state

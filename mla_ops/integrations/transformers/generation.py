@@ -13,6 +13,15 @@ from .paged_cache import MLAPagedCache, unsupported
 from .patching import stock_attr
 
 
+def _instance_wants_dense(decoder) -> bool:
+    """Whether `decoder` (a DeepseekV2Model) carries an instance patch with a dense cache: its options
+    win over a class-level paged patch, whichever was applied first."""
+    layers = getattr(decoder, "layers", None)
+    attn = getattr(layers[0], "self_attn", None) if layers is not None and len(layers) else None
+    options = attn.__dict__.get("_mla_ops_options") if attn is not None else None
+    return options is not None and options.cache != "paged"
+
+
 def _model_forward_with_paged_cache(original_forward):
     """Wrap DeepseekV2Model.forward: create an MLAPagedCache when the model would create a cache,
     and plan each forward's slots once before the layers run."""
@@ -22,7 +31,7 @@ def _model_forward_with_paged_cache(original_forward):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if use_cache and cache is None and not torch.is_grad_enabled():
+        if use_cache and cache is None and not torch.is_grad_enabled() and not _instance_wants_dense(self):
             # With gradients (training), the model's own cache and the dense path serve: the paged
             # cache's writes are inference-only ops.
             cache = MLAPagedCache(self.config)
@@ -51,6 +60,8 @@ def _prepare_cache_with_paged(original):
         result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         made = model_kwargs.get("cache")
         if made is None or getattr(made, "_is_user_defined", False) or isinstance(made, MLAPagedCache):
+            return result
+        if _instance_wants_dense(getattr(self, "model", None)):  # a class-level hook, a dense instance patch
             return result
         if generation_config.num_beams > 1:
             unsupported("beam search (num_beams > 1)")
@@ -92,3 +103,4 @@ def install_cache_factory(target, handle) -> None:
     if hasattr(target, "_prepare_cache_for_generation"):
         wrapped = _prepare_cache_with_paged(stock_prepare)
         handle.set(target, "_prepare_cache_for_generation", types.MethodType(wrapped, target), in_dict=True)
+

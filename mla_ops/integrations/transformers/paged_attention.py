@@ -18,6 +18,10 @@ import torch.nn.functional as F
 from .attention_parts import attend_and_project, dense_key, expand_latent, split_query
 from .paged_cache import ForwardPlan, MLAPagedLayer
 
+# The attribute holding a layer's absorbed W_UK / W_UV copies: derived from kv_b_proj.weight, so
+# never copied with the model (a copy remakes its own).
+ABSORBED_ATTRIBUTE = "_mla_ops_absorbed"
+
 # Attention modules holding absorbed W_UK / W_UV copies (registered eagerly), freed on revert.
 _ABSORBED_OWNERS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
@@ -31,7 +35,7 @@ def track_absorbed_owners(modules) -> None:
 def drop_absorbed_weights(modules=None) -> None:
     """Free the absorbed copies of `modules` (any iterable of modules), or of every owner."""
     for module in list(_ABSORBED_OWNERS if modules is None else modules):
-        module.__dict__.pop("_mla_ops_absorbed", None)
+        module.__dict__.pop(ABSORBED_ATTRIBUTE, None)
         _ABSORBED_OWNERS.discard(module)
 
 
@@ -43,7 +47,7 @@ def _absorbed_weights(attn):
     when kv_b_proj.weight is replaced, modified in place, moved or cast (not checked inside a compiled
     graph, where weights are frozen)."""
     weight = attn.kv_b_proj.weight
-    cached = attn.__dict__.get("_mla_ops_absorbed")
+    cached = attn.__dict__.get(ABSORBED_ATTRIBUTE)
     stale = cached is None or cached[0] is not weight
     if not stale and not torch.compiler.is_compiling():
         # in place (version), new storage (`.data = `, model.to(device) keeps the Parameter), new dtype
@@ -54,7 +58,7 @@ def _absorbed_weights(attn):
             w_uk = per_head[:, : attn.qk_nope_head_dim].contiguous()
             w_uv_t = per_head[:, attn.qk_nope_head_dim:].transpose(1, 2).contiguous()
         cached = (weight, (weight._version, weight.data_ptr(), weight.dtype, weight.device), w_uk, w_uv_t)
-        attn.__dict__["_mla_ops_absorbed"] = cached
+        attn.__dict__[ABSORBED_ATTRIBUTE] = cached
         if not torch.compiler.is_compiling():  # (compiled generate: registered by the generate hook)
             _ABSORBED_OWNERS.add(attn)
     return cached[2], cached[3]

@@ -14,9 +14,13 @@ real tokens.
   `mla.mla_decode_attention` over the paged latent cache -> @ W_UV -> o_proj. W_UK / W_UV are
   prepared once per layer from kv_b_proj.weight (contiguous copies); kv_b never runs over the cache.
 
-`MLAPagedCache(static=False)` grows block by block from a free list (host bookkeeping, pools double
-when full; it refuses to be traced by torch.compile). `MLAPagedCache(static=True, batch_size=...,
-max_cache_len=...)` preallocates everything and keeps the per-token bookkeeping in tensors, so a
+`MLAPagedCache(static=False)` grows block by block from a free list as tokens arrive (host
+bookkeeping, pools double when full; it refuses to be traced by torch.compile). Its first
+reservation is at most `MAX_INITIAL_TOKENS_PER_ROW` tokens per row whatever `max_cache_len` says:
+generate passes prompt + max_new_tokens, and a generation that stops early (EOS, a stopping
+criterion) must not pay for tokens it never made. `MLAPagedCache(static=True, batch_size=...,
+max_cache_len=...)` preallocates everything by design (fixed shapes for compile and graph capture)
+and keeps the per-token bookkeeping in tensors, so a
 decode step (and a first prefill) compiles with `torch.compile(fullgraph=True)` and can be
 graph-captured; a prefill continuing a cached prefix reads the prefix back with host-known sizes and
 runs eagerly.
@@ -34,6 +38,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 DEFAULT_BLOCK_SIZE = 64
+# The dynamic pool's first reservation per row, in tokens (rounded up to whole blocks): enough for a
+# typical prompt and some decoding without a regrowth, small next to a max_new_tokens upper bound.
+MAX_INITIAL_TOKENS_PER_ROW = 512
 
 
 # ------------------------------------------------------------------------------------------- cache
@@ -134,8 +141,9 @@ class MLAPagedCache(Cache):
         block_size: tokens per block (default 64).
         batch_size: rows; required with static=True, else taken from the first forward.
         max_cache_len: tokens per row to reserve; required with static=True. With static=False it
-            only sizes the first pool allocation (generate passes its max_length), the pool grows
-            by doubling when the free list runs out.
+            is only a size hint for the first pool allocation, capped at MAX_INITIAL_TOKENS_PER_ROW
+            (generate passes its max_length, an upper bound); the pool grows by doubling when the
+            free list runs out.
         static: preallocate the pools and a fixed block table (row b owns blocks
             [b*n, (b+1)*n)) and keep every piece of bookkeeping in tensors, for torch.compile and
             graph capture.
@@ -183,7 +191,9 @@ class MLAPagedCache(Cache):
             if not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(self._seen_tensor)
         else:
-            per_row = self.blocks_per_row if self.max_cache_len else 1  # a size hint only: the pool grows
+            # a size hint only, capped: the pool grows as tokens arrive
+            hint = min(self.max_cache_len or 1, MAX_INITIAL_TOKENS_PER_ROW)
+            per_row = math.ceil(hint / self.block_size)
             num_blocks = batch_size * per_row
             self._free = list(range(num_blocks - 1, -1, -1))
             self._lens_host = [0] * batch_size

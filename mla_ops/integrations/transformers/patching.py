@@ -5,9 +5,18 @@ A `PatchHandle` remembers each attribute it replaced (on a class, or in one modu
 scope (the classes, or one model): applying again to the same scope first reverts the previous
 handle, so the newest options win and nothing stacks. Models are held by weak reference: a handle
 does not keep a deleted model alive.
+
+Copies are stock. An instance patch lives in the instance's `__dict__`, so `copy.deepcopy`,
+`pickle` and `torch.save` would carry it along: bound methods that point back at the original
+handle's functions, which no handle of the copy records (so nothing could revert them) and which
+pickle cannot even rebuild. Every object given an instance patch therefore also gets a
+`__getstate__` in its `__dict__` that returns its state as it was before the patch (the patched
+entries restored or removed, attributes the patched code derives, such as absorbed weight copies,
+dropped). A copy or a loaded model is a plain stock model; apply() to it patches it like any other.
 """
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Callable
 
@@ -19,11 +28,12 @@ class PatchHandle:
     first reverts the previous handle, so the newest options win and nothing stacks. Models are
     held by weak reference: a handle does not keep a deleted model alive."""
 
-    def __init__(self, options, scope):  # options: the PatchOptions it applied
+    def __init__(self, options, scope, derived: tuple[str, ...] = ()):  # options: the PatchOptions it applied
         self.options = options
         self._scope = scope  # "classes", or a weakref to the patched model
         self._records: list[tuple[object, str, object, bool]] = []  # (obj or weakref, name, previous, in_dict)
         self._on_revert: list[Callable[[], None]] = []
+        self._derived = derived  # instance attributes the patched code makes: never copied
         self.patched_modules = 0
 
     @property
@@ -42,13 +52,29 @@ class PatchHandle:
             not isinstance(self._scope, str) and self._scope() is scope())
 
     def set(self, obj, name: str, value, *, in_dict: bool = False) -> None:
-        """obj.name = value (a class attribute, or an instance __dict__ entry), remembering the old value."""
+        """obj.name = value (a class attribute, or an instance __dict__ entry), remembering the old value.
+        An instance entry also makes copies of obj stock (see the module docstring)."""
+        if in_dict and name != "__getstate__" and self.stock_value(obj, "__getstate__") is _NOT_RECORDED:
+            self.set(obj, "__getstate__", types.MethodType(_stock_getstate(self), obj), in_dict=True)
         self._records.append((obj if isinstance(obj, type) else weakref.ref(obj), name,
                               obj.__dict__.get(name, _MISSING), in_dict))
         if in_dict:
             obj.__dict__[name] = value
         else:
             setattr(obj, name, value)
+
+    def stock_state(self, obj) -> dict:
+        """obj's pickling state without this handle's instance entries: what a copy of obj gets."""
+        state = dict(type(obj).__getstate__(obj))
+        for ref, name, previous, in_dict in reversed(self._records):  # the oldest record is the stock value
+            if in_dict and ref() is obj:
+                if previous is _MISSING:
+                    state.pop(name, None)
+                else:
+                    state[name] = previous
+        for name in self._derived:
+            state.pop(name, None)
+        return state
 
     def on_revert(self, callback: Callable[[], None]) -> None:
         """Run callback after the attributes are restored (frees state the patched code made later)."""
@@ -93,6 +119,18 @@ class PatchHandle:
         return f"PatchHandle({self.target}, {self.options}, {self.patched_modules} modules, {state})"
 
 
+def _stock_getstate(handle: PatchHandle):
+    """The `__getstate__` installed on an instance-patched object (bound to it): the handle is held
+    weakly, and once it is reverted the entry is gone with the rest of the patch."""
+    handle_ref = weakref.ref(handle)
+
+    def __getstate__(self):
+        live = handle_ref()
+        return live.stock_state(self) if live is not None else dict(type(self).__getstate__(self))
+
+    return __getstate__
+
+
 _ACTIVE: list[PatchHandle] = []
 _MISSING = object()
 _NOT_RECORDED = object()
@@ -121,13 +159,14 @@ def revert() -> None:
         handle.revert()
 
 
-def open_handle(options, scope) -> PatchHandle:
+def open_handle(options, scope, derived: tuple[str, ...] = ()) -> PatchHandle:
     """A new active handle for `scope` ("classes" or a weakref to a model), after reverting the
-    handle already active there: the newest options win and patches never stack."""
+    handle already active there: the newest options win and patches never stack. `derived`: the
+    instance attributes the patched code makes, left out of copies."""
     _forget_deleted_models()
     for previous in [h for h in _ACTIVE if h._same_scope(scope)]:
         previous.revert()
-    handle = PatchHandle(options, scope)
+    handle = PatchHandle(options, scope, derived)
     _ACTIVE.append(handle)
     return handle
 
