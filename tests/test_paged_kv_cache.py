@@ -1,8 +1,8 @@
 """Paged KV-cache ops, bit-exact against a plain Python loop over their semantics.
 
-Covers the ten sweep levels of the original GatherPaKvCache sample on the real network cache shapes, the two hand-targeted shapes,
-both seq_lens modes, tail blocks, nonzero seq_offset, rows no sequence covers, random tables
-(hypothesis), scatter -> gather round trips, and the device (sync-free) code path.
+Covers the ten sweep levels of the original GatherPaKvCache sample on the real network cache shapes,
+the two hand-targeted shapes, both seq_lens modes, tail blocks, nonzero seq_offset, rows no sequence covers,
+random tables (hypothesis), scatter -> gather round trips, and the device (sync-free) code path.
 """
 import pytest
 import torch
@@ -15,7 +15,8 @@ from mla_ops.ops.scatter_pa_kv_cache import scatter_sync_free
 
 from utils import gather_loop_reference, paged_case, scatter_loop_reference
 
-# The original sample's network sweep (cann/pypto-gym, GatherPaKvCache tests): Q=4 with these totals, and Q=3 with 44 tokens.
+# The original sample's network sweep (cann/pypto-gym, GatherPaKvCache tests): Q=4 with these totals,
+# and Q=3 with 44 tokens.
 SWEEP_LEVELS = [(4, 6), (4, 27), (4, 31), (4, 35), (4, 39), (4, 43), (4, 47), (4, 51), (4, 55), (3, 44)]
 
 

@@ -44,6 +44,7 @@ DISPATCH_KEYS = {"cpu": "CPU", "npu": "PrivateUse1"}
 class Kernel:
     fn: Callable
     reasons: Optional[Callable] = None  # (*args, **kwargs) -> list[str]; memoised per call signature
+    path: Optional[Callable] = None     # (*args, **kwargs) -> str: which of the kernel's own paths runs
 
 
 class Backend:
@@ -66,10 +67,14 @@ class Backend:
         self.kernels: dict[str, Kernel] = {}
         BACKENDS[name] = self
 
-    def kernel(self, op: str, *, reasons: Optional[Callable] = None):
-        """Decorator: `fn` is this backend's kernel for `mla::<op>` (same signature as the op)."""
+    def kernel(self, op: str, *, reasons: Optional[Callable] = None, path: Optional[Callable] = None):
+        """Decorator: `fn` is this backend's kernel for `mla::<op>` (same signature as the op).
+
+        `reasons`: why the kernel cannot serve a call (the backend layer then falls back to the next
+        candidate). `path`: for a kernel that chooses between paths of its own (the NPU kv_prolog:
+        fused or baseline), a description of the one a call takes, for `explain()`."""
         def register(fn: Callable) -> Callable:
-            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons else None)
+            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons else None, path)
             return fn
         return register
 
@@ -168,6 +173,9 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     except NotImplementedError as exc:
         return str(exc)
     lines = [f"mla.{op}: {backend.name} ({backend.description})"]
+    kernel = backend.kernels.get(op)
+    if kernel is not None and kernel.path is not None:
+        lines.append(f"  path: {kernel.path(*args, **kwargs)}")
     lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in skipped]
     device = _device_of(args, kwargs)
     if device is not None:

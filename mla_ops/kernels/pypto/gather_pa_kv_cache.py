@@ -280,7 +280,8 @@ def gather_pa_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, block
                        seq_lens: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                        seq_offset: Optional[torch.Tensor] = None, is_seq_lens_cumsum: bool = False,
                        mode: str = "sim") -> None:
-    """Gather paged cache blocks into contiguous ``key`` / ``value``, in place (the semantics of ``mla::gather_pa_kv_cache``).
+    """Gather paged cache blocks into contiguous ``key`` / ``value``, in place
+    (the semantics of ``mla::gather_pa_kv_cache``).
 
     Args:
         key_cache:    [num_blocks, block_size, Hk, Dk] bf16/fp16/fp32, contiguous ND.
