@@ -76,7 +76,7 @@ def _npu_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps):
     return latent, k_pe
 
 
-def _baseline_stage2(latent, k_pe, kv_b_weight, cos, sin, *, num_heads, qk_nope_head_dim, v_head_dim, rope_layout):
+def baseline_stage2(latent, k_pe, kv_b_weight, cos, sin, *, num_heads, qk_nope_head_dim, v_head_dim, rope_layout):
     """Stage 2 as framework ops on token-major inputs (the torch_npu baseline composite)."""
     tokens = latent.shape[0]
     k_nope, value = expand_latent(latent.view(1, tokens, -1), kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
@@ -108,6 +108,9 @@ def fused_kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weigh
                            rope_layout=rope_layout)
 
 
+fused_kv_prolog_reasons.cache_clear = _stage2_reasons.cache_clear  # after a change of what they depend on
+
+
 def _kv_prolog_path(*args, **kwargs) -> str:
     reasons = fused_kv_prolog_reasons(*args, **kwargs)
     if not reasons:
@@ -125,7 +128,7 @@ def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight
         # looked up at call time (not bound at import) so that a test can stand in for the launch
         stage2 = functools.partial(kv_prolog_stage2, mode="npu")
     else:
-        stage2 = _baseline_stage2
+        stage2 = baseline_stage2
     return staged_kv_prolog(_npu_stage1, stage2, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight,
                             cos, sin, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
                             v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout)

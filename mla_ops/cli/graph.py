@@ -11,8 +11,9 @@
     torchair ignores in aclgraph mode, with a warning (``unsupport_aclgraphconfig_list``).
   transformers' CompileConfig would pass ``mode="reduce-overhead"`` (its default) through
   torch.compile to a custom backend as a keyword argument; torchair's ``_npu_backend`` accepts extra
-  keyword arguments only from its 7.3 line on (a TypeError before), so the mode is always passed as
-  "default" (= nothing) and the graph mode lives in the backend's own configuration.
+  keyword arguments only from its 7.3 line on (a TypeError before), so the mode is always None
+  (nothing is passed; torch.compile also refuses a mode together with options) and the graph mode
+  lives in the backend's own configuration.
   GE graph mode (CompilerConfig mode "max-autotune") is not supported: the fused PyPTO kernel is a
   Python-launched kernel that cannot be expressed as GE IR. MLA_OPS_NPU_GRAPH selects a path
   (``auto`` | ``npugraph_ex`` | ``aclgraph``); ``ge`` / ``max-autotune`` are refused with that reason.
@@ -68,7 +69,7 @@ def npu_compile_kwargs(say: Callable[[str], None] = print) -> Optional[dict]:
         import torchair  # noqa: F401  (current lines register their backends on import)
     if path in ("auto", "npugraph_ex") and npugraph_ex_available():
         say("graph mode: torchair's npugraph_ex backend (aclgraph, frozen parameters)")
-        return {"backend": "npugraph_ex", "mode": "default", "options": {"frozen_parameter": True}}
+        return {"backend": "npugraph_ex", "mode": None, "options": {"frozen_parameter": True}}
     if path == "npugraph_ex":
         raise CliError("MLA_OPS_NPU_GRAPH=npugraph_ex: no torch.compile backend named npugraph_ex is registered "
                        "by the installed torch_npu/torchair; use MLA_OPS_NPU_GRAPH=auto")
@@ -82,7 +83,7 @@ def npu_compile_kwargs(say: Callable[[str], None] = print) -> Optional[dict]:
     config.experimental_config.frozen_parameter = True
     backend = torchair.get_npu_backend(compiler_config=config)
     say("graph mode: torchair NPU backend (CompilerConfig reduce-overhead = aclgraph, frozen parameters)")
-    return {"backend": backend, "mode": "default"}
+    return {"backend": backend, "mode": None}
 
 
 def compile_settings(device: torch.device, say: Callable[[str], None] = print) -> dict:
@@ -99,7 +100,7 @@ def compile_settings(device: torch.device, say: Callable[[str], None] = print) -
         if kwargs is not None:
             compile_config = CompileConfig(fullgraph=True, dynamic=False, **kwargs)
         else:
-            compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+            compile_config = CompileConfig(fullgraph=True, dynamic=False, mode=None)
             say("graph mode: torchair is not importable; falling back to torch.compile's default backend on NPU")
     elif device.type == "cuda":
         compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")

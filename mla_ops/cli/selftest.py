@@ -161,7 +161,7 @@ def check_kv_prolog(report: Report, device: torch.device, label: str) -> None:
                     got = torch.ops.mla.kv_prolog(*dev_args, **prolog_kwargs(layout))
                     err = normalised_error(got, expected_prolog(args, layout))
                     verdict = "PASS" if err <= TOLERANCE[dtype] else "FAIL"
-                    return verdict, f"{served}{': ' + detail_path[:60] if detail_path else ''}; err {err:.1e}"
+                    return verdict, f"{served}{': ' + detail_path if detail_path else ''}; err {err:.1e}"
                 report.run(f"kv_prolog {label} T={tokens} {dtype_name} {layout}", one)
 
 

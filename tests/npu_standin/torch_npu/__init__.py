@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -120,6 +121,10 @@ def npu_rms_norm(self, gamma, epsilon=1e-6):
 
 def npu_gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
                            is_seq_lens_cumsum=False):
+    # on the wrapped CPU data (reads of index values are host reads here; the device op reads them
+    # on the device); writes land in key / value's storage
+    key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset = (
+        _unwrap(t) for t in (key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset))
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     lens = seq_lens.tolist()
     if is_seq_lens_cumsum:
@@ -179,5 +184,21 @@ npu.is_initialized = lambda: True
 torch._C._push_on_torch_dispatch_stack(_MODE)
 
 
+@contextlib.contextmanager
+def standin_paused():
+    """Take the device mode off the dispatch stack (torch.compile refuses to trace under a
+    non-infra dispatch mode); npu tensors cannot be used inside."""
+    _python_dispatch._pop_mode()
+    try:
+        yield
+    finally:
+        _python_dispatch._push_mode(_MODE)
+
+
 def _autoload():
     """`torch.backends` entry point (TORCH_DEVICE_BACKEND_AUTOLOAD=1): importing is the work."""
+
+
+def npu_fusion_attention(*args, **kwargs):
+    """Imported (not called) by transformers when torch_npu is installed; mla-ops never calls it."""
+    raise NotImplementedError("the torch_npu stand-in has no npu_fusion_attention")
