@@ -265,9 +265,9 @@ def check_generate(report: Report, device: torch.device) -> None:
 
 def environment(report: Report, device: torch.device) -> None:
     from .. import backends, pypto_runtime
-    from .info import _version
+    from .info import package_version
 
-    report.add("versions", "PASS", ", ".join(f"{m} {_version(m)}" for m in ("torch_npu", "torchair", "pypto",
+    report.add("versions", "PASS", ", ".join(f"{m} {package_version(m)}" for m in ("torch_npu", "torchair", "pypto",
                                                                               "transformers"))
                + f", torch {torch.__version__}")
     reasons = pypto_runtime.unavailable_reasons()

@@ -183,6 +183,28 @@ npu.is_initialized = lambda: True
 
 torch._C._push_on_torch_dispatch_stack(_MODE)
 
+# Kernels for the few paths that reach the PrivateUse1 key without passing through a Python dispatch
+# mode (torch.tensor(data, device="npu") builds the tensor with Python dispatch excluded).
+_LIB = torch.library.Library("aten", "IMPL")
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return _NpuTensor(torch.empty_strided(size, stride, dtype=dtype, device="cpu"))
+
+
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return _NpuTensor(torch.empty(size, dtype=dtype, device="cpu"))
+
+
+def _copy_from(src, dst, non_blocking=False):
+    _unwrap(dst).copy_(_unwrap(src))
+    return dst
+
+
+_LIB.impl("empty_strided", _empty_strided, "PrivateUse1")
+_LIB.impl("empty.memory_format", _empty, "PrivateUse1")
+_LIB.impl("_copy_from", _copy_from, "PrivateUse1")
+
 
 @contextlib.contextmanager
 def standin_paused():
