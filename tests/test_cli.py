@@ -368,3 +368,34 @@ def test_unwritable_bench_outputs_are_refused_before_measuring(args, tmp_path, c
 def test_a_refusal_in_a_fresh_process_has_no_traceback(tmp_path):
     code, out, err = run_cli("ask", "--sentence_file", _binary_file(tmp_path))
     assert code == 2 and "Traceback" not in err and err.strip().count("\n") == 0, err
+
+
+def test_selftest_on_cpu(capsys):
+    """A real run: every CPU op check against the fp32 reference / the gather contract, a table with
+    a verdict per row, exit status 0; accelerator-only steps are SKIP rows with the reason."""
+    assert main(["selftest"]) == 0
+    table = capsys.readouterr().out.split("\ncheck ", 1)[1]
+    rows = {line.split("  ")[0]: line for line in table.splitlines()[2:-1]}
+    for tokens in (1, 2, 16, 17):
+        for dtype in ("bf16", "fp16"):
+            for layout in ("interleaved", "half"):
+                assert " PASS " in rows[f"kv_prolog reference T={tokens} {dtype} {layout}"]
+    for case in ("plain seq_lens", "cumsum seq_lens", "seq_offset", "int64 tables+lens"):
+        assert "PASS     bit-exact vs the contract" in rows[f"gather_pa_kv_cache reference {case}"]
+    assert "SKIP" in rows["pypto_sim backend"] and "--pypto-sim" in rows["pypto_sim backend"]
+    assert table.splitlines()[-1].endswith("0 failed, 2 skipped")
+
+
+def test_selftest_fails_with_a_non_zero_status(monkeypatch, capsys):
+    """A wrong kernel is a FAIL row and exit status 1 (the reference is judged against fp32 CPU)."""
+    from mla_ops.cli import selftest
+
+    real = selftest.expected_prolog
+    monkeypatch.setattr(selftest, "expected_prolog", lambda args, layout: [t * 1.1 for t in real(args, layout)])
+    assert main(["selftest"]) == 1
+    assert "FAIL   " in capsys.readouterr().out
+
+
+def test_selftest_pypto_sim_only_on_cpu():
+    code, _, err = run_cli("selftest", "--device", "cuda:0", "--pypto-sim")
+    assert code == 2 and ("--pypto-sim runs the PyPTO kernels on CPU" in err or "CUDA is not available" in err)

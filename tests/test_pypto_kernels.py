@@ -443,16 +443,26 @@ def test_version_guard_refuses_other_pypto(monkeypatch):
         compat.unavailable_reasons.cache_clear()
 
 
-def test_the_version_check_is_not_paid_per_call():
-    """The reasons are consulted on every kernel call's "can this run" check; reading package
-    metadata costs about half a millisecond, so the answer is computed once."""
+def test_the_version_check_is_not_paid_per_call(monkeypatch):
+    """Every kernel call's "can this run" check consults the pypto version; reading package metadata
+    costs about half a millisecond, so it is read once per process (pypto_runtime.compat), never per
+    call: with importlib.metadata.version counting its calls, reasons for calls of new signatures
+    (nothing memoised for them) read nothing."""
+    import importlib.metadata
+
+    from mla_ops.kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2_not_supported_reasons
     from mla_ops.pypto_runtime import compat
 
-    compat.unavailable_reasons()
-    before = compat.installed_pypto_version.cache_info().misses
-    for _ in range(5):
-        compat.unavailable_reasons()
-    assert compat.installed_pypto_version.cache_info().misses == before
+    compat.unavailable_reasons()  # the one read per process (already done by earlier tests, or now)
+    reads = []
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: reads.append(name) or real_version(name))
+    for tokens in (1, 2, 3, 5, 8):
+        latent, k_pe = torch.zeros(tokens, 16, dtype=torch.bfloat16), torch.zeros(tokens, 8, dtype=torch.bfloat16)
+        table = torch.zeros(tokens, 4)
+        kv_prolog_stage2_not_supported_reasons(latent, k_pe, torch.zeros(4 * 20, 16, dtype=torch.bfloat16), table,
+                                               table, num_heads=4, qk_nope_head_dim=8, v_head_dim=12)
+    assert reads == []
 
 
 def test_importing_the_package_does_not_import_pypto():

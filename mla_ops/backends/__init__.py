@@ -46,6 +46,7 @@ DISPATCH_KEYS = {"cpu": "CPU", "npu": "PrivateUse1"}
 class Kernel:
     fn: Callable
     reasons: Optional[Callable] = None  # (*args, **kwargs) -> list[str]; memoised per call signature
+    path: Optional[Callable] = None     # (*args, **kwargs) -> str: which of the kernel's own paths runs
 
 
 class Backend:
@@ -68,13 +69,16 @@ class Backend:
         self.kernels: dict[str, Kernel] = {}
         BACKENDS[name] = self
 
-    def kernel(self, op: str, *, reasons: Optional[Callable] = None, memoize: bool = True):
+    def kernel(self, op: str, *, reasons: Optional[Callable] = None, memoize: bool = True,
+               path: Optional[Callable] = None):
         """Decorator: `fn` is this backend's kernel for `mla::<op>` (same signature as the op).
 
-        `reasons(*args, **kwargs) -> list[str]` says why the kernel cannot serve a call; it is cached
-        per call signature unless `memoize=False` (for reasons cheaper than building the key)."""
+        `reasons(*args, **kwargs) -> list[str]`: why the kernel cannot serve a call (the backend layer
+        then falls back to the next candidate); cached per call signature unless `memoize=False` (for
+        reasons cheaper than building the key). `path`: for a kernel that chooses between paths of its
+        own (the NPU kv_prolog: fused or baseline), a description of the one a call takes, for `explain()`."""
         def register(fn: Callable) -> Callable:
-            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons and memoize else reasons)
+            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons and memoize else reasons, path)
             return fn
         return register
 
@@ -178,6 +182,9 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     except NotImplementedError as exc:
         return str(exc)
     lines = [f"mla.{op}: {backend.name} ({backend.description})"]
+    kernel = backend.kernels.get(op)
+    if kernel is not None and kernel.path is not None:
+        lines.append(f"  path: {kernel.path(*args, **kwargs)}")
     lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in skipped]
     device = _device_of(args, kwargs)
     if device is not None:

@@ -5,13 +5,21 @@ tensor exists only once torch_npu is imported). The kernels are bound to Private
 torch_npu was imported before mla_ops.
 
 Policy (plain functions, testable on any machine):
-* kv_prolog: B*S tokens <= `MLA_OPS_NPU_FUSED_MAX_TOKENS` (default 16), fp16/bf16, and the PyPTO
-  stage-2 kernel able to take the call -> stage 1 with torch_npu (matmul, split, npu_rms_norm) +
-  the PyPTO stage-2 kernel; otherwise the torch_npu baseline composite (the same stage 1, stage 2 as
-  framework ops). Token counts are shapes, so the choice needs no host synchronisation and is frozen
-  into a captured aclgraph.
-* gather_pa_kv_cache: the PyPTO kernel, with the large-token tile when heads*dim > 4096; when the
-  kernel cannot take a call (pypto missing, strided caches...) the reference kernel serves it.
+* kv_prolog: B*S tokens <= `MLA_OPS_NPU_FUSED_MAX_TOKENS` (default 16) and the PyPTO stage-2 kernel
+  able to take the call (its own reasons: pypto 0.2.0 importable, fp16/bf16, dims, devices; memoised
+  per call signature) -> stage 1 with torch_npu (matmul, split, npu_rms_norm) + the PyPTO stage-2
+  kernel; otherwise the torch_npu baseline composite (the same stage 1, stage 2 as framework ops).
+  Token counts and the reasons depend on shapes and dtypes only, so the choice needs no host
+  synchronisation and is frozen into a captured aclgraph.
+* gather_pa_kv_cache: the PyPTO kernel, with the large-token tile when heads*dim > 4096.
+
+Both ops fall back, never raise, when their PyPTO kernel cannot take a call (any pypto other than
+0.2.0, pypto missing, an unsupported dtype or shape): kv_prolog to this backend's own torch_npu
+baseline (inside the kernel: the baseline is NPU code, so the npu backend still serves the call, also
+under MLA_OPS_BACKEND=npu), gather to the reference kernel (through the backend layer, via
+`reasons=`: the npu backend has no other gather, so an explicit MLA_OPS_BACKEND=npu demand for a
+gather it cannot serve is refused with the reasons, as for every backend). `explain()` names the path
+either way (`fused_kv_prolog_reasons` for kv_prolog).
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._checks import HALF_DTYPES
+from .._checks import memo_by_signature
 from .._optional import has_module
 from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache as pypto_gather
 from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache_not_supported_reasons
@@ -31,7 +39,7 @@ from ..ops.kv_prolog import expand_latent
 from ..ops.rope import rope_math
 from ..settings import settings
 from . import Backend
-from .staged_kv_prolog import staged_kv_prolog
+from .staged_kv_prolog import stage2_not_supported_reasons, staged_kv_prolog
 
 
 def _unavailable() -> Optional[str]:
@@ -59,11 +67,16 @@ def _npu_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps):
     lora = kv_norm_weight.shape[0]
     compressed = F.linear(hidden_states, kv_a_weight, kv_a_bias)
     ckv, k_pe = torch.split(compressed, [lora, compressed.shape[-1] - lora], dim=-1)
-    latent = torch_npu.npu_rms_norm(ckv.contiguous(), kv_norm_weight, epsilon=eps)[0]
+    # ckv is a strided view (row stride L+R). npu_rms_norm takes it as is: torch_npu routes it to
+    # aclnnRmsNorm, and the aclnn (opapi) path of Ascend/op-plugin hands view strides to the
+    # operator, which makes any copy it needs itself; its documentation
+    # (op-plugin docs, torch_npu.npu_rms_norm: "self: Tensor, 1-8 dims") states no contiguity
+    # requirement. A `.contiguous()` here would be a second, avoidable [T, L] copy per layer.
+    latent = torch_npu.npu_rms_norm(ckv, kv_norm_weight, epsilon=eps)[0]
     return latent, k_pe
 
 
-def _baseline_stage2(latent, k_pe, kv_b_weight, cos, sin, *, num_heads, qk_nope_head_dim, v_head_dim, rope_layout):
+def baseline_stage2(latent, k_pe, kv_b_weight, cos, sin, *, num_heads, qk_nope_head_dim, v_head_dim, rope_layout):
     """Stage 2 as framework ops on token-major inputs (the torch_npu baseline composite)."""
     tokens = latent.shape[0]
     k_nope, value = expand_latent(latent.view(1, tokens, -1), kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
@@ -71,15 +84,51 @@ def _baseline_stage2(latent, k_pe, kv_b_weight, cos, sin, *, num_heads, qk_nope_
     return k_nope[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(), k_pe_rot
 
 
-@NPU.kernel("kv_prolog")
+@memo_by_signature
+def _stage2_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
+                    qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
+    # Memoised per call signature: decode asks the same question every step and layer, and the
+    # stage-2 reasons cost tens of microseconds. (pypto's version is cached separately, in
+    # pypto_runtime.compat, so not even a first call per signature reads package metadata again.)
+    return stage2_not_supported_reasons(hidden_states, kv_a_weight, kv_norm_weight, kv_b_weight,
+                                        num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
+                                        v_head_dim=v_head_dim, rope_layout=rope_layout, mode="npu")
+
+
+def fused_kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *,
+                            num_heads, qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved") -> list[str]:
+    """Why this kv_prolog call takes the torch_npu baseline instead of the fused PyPTO stage 2
+    (empty: fused). Shapes, dtypes and devices only: no host synchronisation."""
+    tokens = hidden_states.shape[0] * hidden_states.shape[1]
+    if not use_fused_kv_prolog(tokens, settings.npu_fused_max_tokens):
+        return [f"{tokens} tokens (the fused stage 2 serves 1..{settings.npu_fused_max_tokens}, "
+                f"MLA_OPS_NPU_FUSED_MAX_TOKENS)"]
+    return _stage2_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin,
+                           num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, eps=eps,
+                           rope_layout=rope_layout)
+
+
+fused_kv_prolog_reasons.cache_clear = _stage2_reasons.cache_clear  # after a change of what they depend on
+
+
+def _kv_prolog_path(*args, **kwargs) -> str:
+    reasons = fused_kv_prolog_reasons(*args, **kwargs)
+    if not reasons:
+        return "fused: torch_npu stage 1 + PyPTO stage 2"
+    return "torch_npu baseline (not the fused PyPTO stage 2: " + "; ".join(reasons) + ")"
+
+
+@NPU.kernel("kv_prolog", path=_kv_prolog_path)
 def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
               qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
-    tokens = hidden_states.shape[0] * hidden_states.shape[1]
-    fused = hidden_states.dtype in HALF_DTYPES and use_fused_kv_prolog(tokens, settings.npu_fused_max_tokens)
+    fused = not fused_kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos,
+                                        sin, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
+                                        v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout)
     if fused:
+        # looked up at call time (not bound at import) so that a test can stand in for the launch
         stage2 = functools.partial(kv_prolog_stage2, mode="npu")
     else:
-        stage2 = _baseline_stage2
+        stage2 = baseline_stage2
     return staged_kv_prolog(_npu_stage1, stage2, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight,
                             cos, sin, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
                             v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout)

@@ -15,19 +15,17 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import torch
-
 from .. import pypto_runtime
 from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache as pypto_gather
 from ..kernels.pypto.gather_pa_kv_cache import gather_pa_kv_cache_not_supported_reasons
-from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2, kv_prolog_stage2_not_supported_reasons
+from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2
 from ..kernels.pypto.scatter_pa_kv_cache import scatter_pa_kv_cache as pypto_scatter
 from ..kernels.pypto.scatter_pa_kv_cache import scatter_pa_kv_cache_not_supported_reasons
 from ..ops.gather_pa_kv_cache import check_gather_values, functional_gather
 from ..ops.kv_prolog import latent_stage
 from ..ops.scatter_pa_kv_cache import check_scatter_values
 from . import Backend
-from .staged_kv_prolog import staged_kv_prolog
+from .staged_kv_prolog import stage2_not_supported_reasons, staged_kv_prolog
 
 
 def _unavailable() -> Optional[str]:
@@ -45,19 +43,9 @@ def _reference_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps
 
 def _kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
                        qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
-    """The stage-2 kernel's reasons, judged on zero-memory stand-ins shaped like its inputs."""
-    tokens = hidden_states.shape[0] * hidden_states.shape[1]
-    lora = kv_norm_weight.shape[0]
-    rope_dim = kv_a_weight.shape[0] - lora
-
-    def stand_in(cols, dtype):  # a broadcast scalar: the right shape, dtype and device, no storage
-        return torch.empty((), dtype=dtype, device=hidden_states.device).expand(tokens, cols)
-
-    table = stand_in(rope_dim // 2, torch.float32)
-    return kv_prolog_stage2_not_supported_reasons(
-        stand_in(lora, hidden_states.dtype), stand_in(rope_dim, hidden_states.dtype), kv_b_weight, table, table,
-        num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, rope_layout=rope_layout,
-        mode="sim")
+    return stage2_not_supported_reasons(hidden_states, kv_a_weight, kv_norm_weight, kv_b_weight, num_heads=num_heads,
+                                        qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
+                                        rope_layout=rope_layout, mode="sim")
 
 
 @PYPTO_SIM.kernel("kv_prolog", reasons=_kv_prolog_reasons)

@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2_not_supported_reasons
+
 
 def stage2_inputs(latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor):
     """latent [B, S, L], k_pe [B, S, R] (a view is fine), cos/sin [B or 1, S, R/2] or [S, R/2]
@@ -51,3 +53,21 @@ def staged_kv_prolog(stage1: Callable, stage2: Callable, hidden_states, kv_a_wei
                                      qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
                                      rope_layout=rope_layout)
     return stage2_outputs(k_nope, value, k_pe_rot, batch, seq)
+
+
+def stage2_not_supported_reasons(hidden_states, kv_a_weight, kv_norm_weight, kv_b_weight, *, num_heads,
+                                 qk_nope_head_dim, v_head_dim, rope_layout, mode) -> list[str]:
+    """The PyPTO stage-2 kernel's reasons for a kv_prolog call, judged on zero-memory stand-ins
+    shaped like the stage-2 inputs (stage 1 has not run yet when the choice is made)."""
+    tokens = hidden_states.shape[0] * hidden_states.shape[1]
+    lora = kv_norm_weight.shape[0]
+    rope_dim = kv_a_weight.shape[0] - lora
+
+    def stand_in(cols, dtype):  # a broadcast scalar: the right shape, dtype and device, no storage
+        return torch.empty((), dtype=dtype, device=hidden_states.device).expand(tokens, cols)
+
+    table = stand_in(rope_dim // 2, torch.float32)
+    return kv_prolog_stage2_not_supported_reasons(
+        stand_in(lora, hidden_states.dtype), stand_in(rope_dim, hidden_states.dtype), kv_b_weight, table, table,
+        num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, rope_layout=rope_layout,
+        mode=mode)

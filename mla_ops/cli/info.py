@@ -4,7 +4,7 @@ from __future__ import annotations
 import platform
 
 
-def _version(module: str) -> str:
+def package_version(module: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     from .._optional import has_module
@@ -26,7 +26,7 @@ def run(args=None) -> None:
     print(f"{'python':<26}{platform.python_version()}")
     print(f"{'torch':<26}{torch.__version__}")
     for module in ("transformers", "pypto", "torch_npu", "torchair", "matplotlib"):
-        print(f"{module:<26}{_version(module)}")
+        print(f"{module:<26}{package_version(module)}")
     print(f"{'backend (MLA_OPS_BACKEND)':<26}{settings.backend}")
     print("\nbackends")
     for name, ops, status in backends.availability_report():

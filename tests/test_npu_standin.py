@@ -1,0 +1,215 @@
+"""The npu backend's Python paths on CPU, through the torch_npu stand-in (tests/npu_standin).
+
+Each test runs in a subprocess with the stand-in on PYTHONPATH, so the import order is the one under
+test and nothing leaks into this process (the stand-in renames PrivateUse1 to "npu", irreversibly).
+What this proves: registration timing, the backend/path choice and fallbacks, the arguments our code
+passes to torch_npu / torchair / transformers, the selftest's steps. What it does not: NPU kernels,
+NPU numerics, PyPTO's NPU launch (stood in by the driver), aclgraph capture of real kernels.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STANDIN = ROOT / "tests" / "npu_standin"
+PRELUDE = "import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n" % (str(ROOT / "tests"), str(STANDIN))
+
+
+def run(code: str, *, autoload: str = "0", torchair: str = "", timeout: int = 300) -> str:
+    paths = [str(STANDIN)] + ([str(STANDIN / torchair)] if torchair else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [str(ROOT)]), TORCH_DEVICE_BACKEND_AUTOLOAD=autoload)
+    env.pop("MLA_OPS_BACKEND", None)
+    out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True, text=True,
+                         env=env, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("autoload", ["0", "1"])
+def test_npu_kernels_are_bound_whichever_imports_first(autoload):
+    """AUTOLOAD=1: `import torch` imports (the stand-in) torch_npu through its entry point, before
+    mla_ops. AUTOLOAD=0: torch_npu is imported after mla_ops, as `mla-ops ask --device 0` does. Either
+    way kv_prolog on an npu tensor reaches the npu kernel through the dispatcher's PrivateUse1 key."""
+    run("""
+        import os, torch
+        loaded_first = "torch_npu" in sys.modules
+        assert loaded_first == (os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "1"), loaded_first
+        import mla_ops
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "PrivateUse1")
+        import torch_npu, run_with_standin as d
+        from utils import SMALL, prolog_inputs, prolog_kwargs
+        args = [a.to("npu") if a is not None else None for a in prolog_inputs(SMALL, torch.bfloat16)]
+        out = torch.ops.mla.kv_prolog(*args, **prolog_kwargs(SMALL))
+        assert out[0].device.type == "npu" and d.STAGE2_CALLS == [(6, torch.bfloat16, "interleaved", "npu", "npu")]
+    """, autoload=autoload)
+
+
+def test_cli_warmup_compiles_the_fused_kernel_after_a_late_torch_npu_import():
+    """The CLI's order: mla_ops first, torch_npu when --device 0 is resolved, then the warm-up."""
+    out = run("""
+        import torch, mla_ops
+        assert "torch_npu" not in sys.modules
+        from mla_ops.cli.runtime import resolve_device
+        device = resolve_device("0")
+        assert device.type == "npu" and "torch_npu" in sys.modules
+        import run_with_standin as d
+        from mla_ops.backends import npu
+        from mla_ops.cli.loading import builtin_model
+        model, _ = builtin_model(torch.bfloat16, torch.device("cpu"))
+        model.to(device)
+        npu.warmup(model)
+        print(d.STAGE2_CALLS)
+        assert [c[0] for c in d.STAGE2_CALLS] == [1, 2] and all(c[3:] == ("npu", "npu") for c in d.STAGE2_CALLS)
+    """)
+    assert "npu" in out
+
+
+def test_kv_prolog_falls_back_to_the_baseline_when_stage2_cannot_take_the_call():
+    """pypto other than 0.2.0 (or missing), fp32, 17 tokens: the torch_npu baseline, never an error,
+    the same outputs, and explain() names the path and the reason."""
+    run("""
+        import torch, mla_ops, torch_npu, run_with_standin as d
+        from mla_ops import pypto_runtime
+        from mla_ops.backends import npu
+        from utils import SMALL, prolog_inputs, prolog_kwargs
+        def on_npu(dtype, dims=SMALL):
+            cpu = prolog_inputs(dims, dtype)
+            return cpu, [a.to("npu") if a is not None else None for a in cpu]
+        cpu, dev = on_npu(torch.float32)               # unsupported dtype
+        out = torch.ops.mla.kv_prolog(*dev, **prolog_kwargs(SMALL))
+        ref = torch.ops.mla.kv_prolog(*cpu, **prolog_kwargs(SMALL))
+        assert d.STAGE2_CALLS == [] and all(torch.allclose(o.cpu(), r, atol=1e-5) for o, r in zip(out, ref))
+        # another pypto: the stage-2 reasons say so (memoised per signature: cleared after the change)
+        pypto_runtime.unavailable_reasons = lambda: ("pypto 0.3.0 is installed, but ...",)
+        npu.fused_kv_prolog_reasons.cache_clear()
+        cpu, dev = on_npu(torch.bfloat16)
+        out = torch.ops.mla.kv_prolog(*dev, **prolog_kwargs(SMALL))   # the fused kernel would raise
+        ref = torch.ops.mla.kv_prolog(*cpu, **prolog_kwargs(SMALL))
+        assert d.STAGE2_CALLS == [], d.STAGE2_CALLS
+        assert all(torch.allclose(o.cpu().float(), r.float(), atol=3e-2) for o, r in zip(out, ref))
+        # the same under an explicit demand for the npu backend: the baseline is the npu backend's own
+        with mla_ops.use_backend("npu"):
+            torch.ops.mla.kv_prolog(*dev, **prolog_kwargs(SMALL))
+        text = mla_ops.explain("kv_prolog", *dev, **prolog_kwargs(SMALL))
+        assert "path: torch_npu baseline" in text and "pypto 0.3.0" in text, text
+        big = [a.to("npu") if a is not None else None for a in prolog_inputs(SMALL.__class__(
+            "t17", B=1, S=17, H=32, N=4, L=16, R=8, P=8, V=12), torch.bfloat16)]
+        text = mla_ops.explain("kv_prolog", *big, **prolog_kwargs(SMALL))
+        assert "17 tokens" in text, text
+    """)
+
+
+def test_fused_reasons_are_memoised_per_signature():
+    run("""
+        import torch, mla_ops, torch_npu, run_with_standin as d
+        from mla_ops.backends import npu
+        from mla_ops.backends import staged_kv_prolog
+        from utils import SMALL, prolog_inputs, prolog_kwargs
+        calls = []
+        real = npu.stage2_not_supported_reasons
+        npu.stage2_not_supported_reasons = lambda *a, **k: calls.append(1) or real(*a, **k)
+        dev = [a.to("npu") if a is not None else None for a in prolog_inputs(SMALL, torch.bfloat16)]
+        for _ in range(5):
+            torch.ops.mla.kv_prolog(*dev, **prolog_kwargs(SMALL))
+        assert len(calls) == 1 and len(d.STAGE2_CALLS) == 5, (calls, d.STAGE2_CALLS)
+    """)
+
+
+def test_gather_falls_back_to_the_reference_kernel_and_an_explicit_demand_is_refused():
+    run("""
+        import torch, mla_ops, torch_npu, pytest
+        from utils import paged_case
+        kc, vc, tables, lens, _ = paged_case(8, 16, [5, 20], key_shape=(1, 64), value_shape=(1, 32))
+        # a strided key cache (a split view of a combined cache), which the PyPTO gather does not take
+        wide = torch.zeros(8, 16, 1, 96, dtype=kc.dtype).to("npu"); wide[..., :64] = kc.to("npu")
+        args = (wide[..., :64], vc.to("npu"), tables.to("npu"), lens.to("npu"))
+        key = torch.zeros(25, 1, 64, dtype=kc.dtype).to("npu")
+        value = torch.zeros(25, 1, 32, dtype=vc.dtype).to("npu")
+        text = mla_ops.explain("gather_pa_kv_cache", *args, key, value, is_seq_lens_cumsum=True)
+        assert text.startswith("mla.gather_pa_kv_cache: reference") and "not npu" in text, text
+        torch.ops.mla.gather_pa_kv_cache(*args, key, value, is_seq_lens_cumsum=True)
+        want = torch.zeros(25, 1, 64, dtype=kc.dtype)
+        torch.ops.mla.gather_pa_kv_cache(kc, vc, tables, lens, want, torch.zeros(25, 1, 32, dtype=vc.dtype),
+                                         is_seq_lens_cumsum=True)
+        assert torch.equal(key.cpu(), want)
+        with mla_ops.use_backend("npu"), pytest.raises(NotImplementedError, match="cannot serve this call"):
+            torch.ops.mla.gather_pa_kv_cache(*args, key, value, is_seq_lens_cumsum=True)
+    """)
+
+
+@pytest.mark.parametrize("torchair, expect", [
+    ("torchair_old", "npu_backend"),   # before 7.3: CompilerConfig path; the backend takes no extra kwargs
+    ("torchair_new", "npugraph_ex"),   # current: the npugraph_ex backend, options through torch.compile
+])
+def test_graph_mode_configuration_follows_the_installed_torchair(torchair, expect):
+    """transformers compiles with torch.compile(**compile_config.to_dict()); the stand-in backends
+    have the signatures of old/new torchair, so passing mode= to the old one is a TypeError."""
+    out = run(f"""
+        import torch, mla_ops, torch_npu, torchair
+        from mla_ops.cli.graph import compile_settings
+        cfg = compile_settings(torch.device("npu", 0), say=print)["compile_config"]
+        kwargs = cfg.to_dict()
+        fn = torch.compile(lambda x: x * 2 + 1, **kwargs)
+        with torch_npu.standin_paused():  # CPU tensors: this checks the backend's calling convention only
+            assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0))
+        what = torchair.COMPILED[-1]
+        print("USED", what[0] if isinstance(what, tuple) else "npu_backend")
+        if {expect!r} == "npu_backend":
+            config = what[1] if isinstance(what, tuple) else what
+            assert config.mode == "reduce-overhead" and config.experimental_config.frozen_parameter
+            assert not config.experimental_config.tiling_schedule_optimize  # GE-only, ignored in aclgraph
+        else:
+            assert what[2] == {{"options": {{"frozen_parameter": True}}}}, what
+    """, torchair=torchair)
+    assert f"USED {expect}" in out
+
+
+def test_graph_mode_refuses_ge_with_the_reason():
+    run("""
+        import os, torch, mla_ops, torch_npu, pytest
+        from mla_ops.cli.graph import compile_settings
+        from mla_ops.cli.runtime import CliError
+        os.environ["MLA_OPS_NPU_GRAPH"] = "max-autotune"
+        with pytest.raises(CliError, match="GE graph mode .* not supported.*PyPTO kernel"):
+            compile_settings(torch.device("npu", 0), say=print)
+        os.environ["MLA_OPS_NPU_GRAPH"] = "npugraph_ex"   # asked for, not provided by this torchair
+        with pytest.raises(CliError, match="no torch.compile backend named npugraph_ex"):
+            compile_settings(torch.device("npu", 0), say=print)
+    """, torchair="torchair_old")
+
+
+def test_selftest_on_the_standin_npu():
+    """Every npu row of `mla-ops selftest --device 0` on the stand-in except generate: transformers
+    takes accelerator-only paths for a non-CPU device (its MoE calls torch.histc on integer tensors,
+    which the stand-in's CPU kernels lack), and graph mode cannot compile under a dispatch mode."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STANDIN), str(ROOT)]), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    out = subprocess.run([sys.executable, str(STANDIN / "run_with_standin.py"), "selftest", "--device", "0",
+                          "--no-generate"], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    table = out.stdout.split("check ", 1)[1]
+    for row in ("bound on PrivateUse1: kv_prolog", "kv_prolog npu T=1 bf16 interleaved", "kv_prolog npu T=17 fp16 half",
+                "gather_pa_kv_cache npu seq_offset", "kv_prolog graph capture + replay", "host time per kv_prolog"):
+        line = next(line for line in table.splitlines() if line.startswith(row))
+        assert " PASS " in line, line
+    assert "equal to torch_npu.npu_gather_pa_kv_cache" in table
+    t1 = next(line for line in table.splitlines() if line.startswith("kv_prolog npu T=16 bf16 half"))
+    t17 = next(line for line in table.splitlines() if line.startswith("kv_prolog npu T=17 bf16 half"))
+    assert "fused" in t1 and "baseline" in t17
+
+
+def test_npu_rms_norm_takes_the_strided_latent_view_without_a_copy():
+    """Stage 1 hands npu_rms_norm the [.., L] split view of the kv_a output (row stride L + R)."""
+    run("""
+        import torch, mla_ops, torch_npu, run_with_standin as d
+        from utils import SMALL, prolog_inputs, prolog_kwargs
+        seen = []
+        real = torch_npu.npu_rms_norm
+        torch_npu.npu_rms_norm = lambda x, *a, **k: seen.append((x.is_contiguous(), x.stride())) or real(x, *a, **k)
+        dev = [a.to("npu") if a is not None else None for a in prolog_inputs(SMALL, torch.bfloat16)]
+        torch.ops.mla.kv_prolog(*dev, **prolog_kwargs(SMALL))
+        assert seen == [(False, (SMALL.S * (SMALL.L + SMALL.R), SMALL.L + SMALL.R, 1))], seen
+    """)
