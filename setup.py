@@ -17,6 +17,9 @@ _SOURCES = [f"{_CSRC}/{name}.cpp" for name in ("decode_attention", "kv_prolog", 
 # -ffp-contract=off: the kernels reproduce the reference's separately rounded products (RoPE); the
 # FMAs the decode kernel wants are written explicitly (at::vec::fmadd), not left to contraction.
 _COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"]
+# at::parallel_for is a header template: with ATen's OpenMP backend it is an `omp parallel` region
+# compiled into this extension, so without -fopenmp every kernel would run on one thread.
+_OPENMP_FLAGS = ["-fopenmp"]
 # ATen's vec headers pick their SIMD implementation from these macros (and put it in the inline
 # namespace CPU_CAPABILITY); the -m flags are the ones ATen's own kernels of that level use.
 _ISA_FLAGS = {
@@ -40,7 +43,8 @@ def _native_extensions():
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     isas = ("avx512", "avx2", "default") if x86 else ("default",)
     extensions = [
-        CppExtension(f"mla_ops._C_{isa}", _SOURCES, extra_compile_args=_COMMON_FLAGS + _ISA_FLAGS[isa])
+        CppExtension(f"mla_ops._C_{isa}", _SOURCES, extra_compile_args=_COMMON_FLAGS + _OPENMP_FLAGS + _ISA_FLAGS[isa],
+                     extra_link_args=_OPENMP_FLAGS)
         for isa in isas
     ]
 
