@@ -6,7 +6,8 @@ types (`at::vec::Vectorized`) and `at::parallel_for`, so the same sources build 
 and NEON. `load()` imports the best build the CPU supports, decided by
 `torch.backends.cpu.get_cpu_capability()` (which honours ``ATEN_CPU_CAPABILITY``), or the one named
 by ``MLA_OPS_NATIVE_ISA`` (``avx512`` | ``avx2`` | ``default``), e.g. to run the AVX2 build on an
-AVX-512 machine. Nothing is imported before the first call (``import mla_ops`` stays light); a
+AVX-512 machine. The build is imported when the backends are bound (at ``import mla_ops``: whether it
+imports decides the CPU binding); it is our own extension and pulls in no optional package. A
 machine where no build imports keeps the reference kernels, and `mla-ops info` says why.
 
 The op's metadata check runs before these kernels (the backend layer binds them behind it). The C++

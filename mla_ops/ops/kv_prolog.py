@@ -184,11 +184,12 @@ def latent_kv_prolog_reference(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_
 # Stage 1 (kv_a projection + RMSNorm) is recomputed once per backward from the saved inputs instead
 # of keeping its intermediates alive between forward and backward.
 
-def _output_specs(output):
+def output_specs(output):
+    """(shape, dtype, device) of each output: what a backward needs to make zeros for unused ones."""
     return [(o.shape, o.dtype, o.device) for o in output]
 
 
-def _grad_or_zeros(grad: Optional[Tensor], spec) -> Tensor:
+def grad_or_zeros(grad: Optional[Tensor], spec) -> Tensor:
     shape, dtype, device = spec
     return torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
 
@@ -196,7 +197,7 @@ def _grad_or_zeros(grad: Optional[Tensor], spec) -> Tensor:
 def _save_common(ctx, keyword_only_inputs, output) -> None:
     ctx.eps = keyword_only_inputs.get("eps", 1e-6)
     ctx.rope_layout = keyword_only_inputs.get("rope_layout", "interleaved")
-    ctx.output_specs = _output_specs(output)
+    ctx.output_specs = output_specs(output)
 
 
 def _prolog_tail_backward(ctx, stage, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin,
@@ -228,7 +229,7 @@ def _kv_prolog_backward(ctx, grad_k_nope, grad_value, grad_k_pe):
     """Gradients for (hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin)."""
     hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin = ctx.saved_tensors
     grad_k_nope, grad_value, grad_k_pe = (
-        _grad_or_zeros(g, spec) for g, spec in zip((grad_k_nope, grad_value, grad_k_pe), ctx.output_specs))
+        grad_or_zeros(g, spec) for g, spec in zip((grad_k_nope, grad_value, grad_k_pe), ctx.output_specs))
     batch, _, seq, _ = grad_k_nope.shape
     # [B, N, S, P+V] -> [B, S, N*(P+V)]: the inverse of the forward's view + transpose.
     grad_kv = torch.cat((grad_k_nope, grad_value), dim=-1).transpose(1, 2).flatten(2)
@@ -250,7 +251,7 @@ def _latent_kv_prolog_setup_context(ctx, inputs, keyword_only_inputs, output):
 def _latent_kv_prolog_backward(ctx, grad_latent, grad_k_pe):
     """Gradients for (hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin)."""
     hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin = ctx.saved_tensors
-    grad_latent, grad_k_pe = (_grad_or_zeros(g, spec) for g, spec in zip((grad_latent, grad_k_pe),
+    grad_latent, grad_k_pe = (grad_or_zeros(g, spec) for g, spec in zip((grad_latent, grad_k_pe),
                                                                           ctx.output_specs))
     need_tables = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
     stage = latent_stage(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, ctx.eps)

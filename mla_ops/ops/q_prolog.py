@@ -35,6 +35,7 @@ from .._checks import (
     memo_by_signature,
 )
 from .._library import define_op
+from .kv_prolog import grad_or_zeros, output_specs
 from .rms_norm import rms_norm_backward_math, rms_norm_math
 from .rope import rope_backward_math, rope_math
 
@@ -131,7 +132,7 @@ def _q_prolog_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.rope_layout = keyword_only_inputs.get("rope_layout", "interleaved")
     ctx.num_heads = keyword_only_inputs["num_heads"]
     ctx.qk_nope_head_dim = keyword_only_inputs["qk_nope_head_dim"]
-    ctx.output_specs = [(o.shape, o.dtype, o.device) for o in output]
+    ctx.output_specs = output_specs(output)
 
 
 def _q_prolog_backward(ctx, grad_q_nope, grad_q_pe):
@@ -140,8 +141,7 @@ def _q_prolog_backward(ctx, grad_q_nope, grad_q_pe):
     The q-LoRA stage is recomputed from the saved inputs rather than kept alive between the passes."""
     hidden, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin = ctx.saved_tensors
     need = ctx.needs_input_grad
-    grad_q_nope, grad_q_pe = (torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                              for g, (shape, dtype, device) in zip((grad_q_nope, grad_q_pe), ctx.output_specs))
+    grad_q_nope, grad_q_pe = (grad_or_zeros(g, spec) for g, spec in zip((grad_q_nope, grad_q_pe), ctx.output_specs))
     q_a, q_in = _low_rank(hidden, q_a_weight, q_a_bias, q_norm_weight, ctx.eps)
     _, q_pe = _split_heads(F.linear(q_in, q_b_weight), ctx.num_heads, ctx.qk_nope_head_dim)
     grad_q_pe_in, grad_cos, grad_sin = rope_backward_math(grad_q_pe, q_pe, cos, sin, ctx.rope_layout,
