@@ -140,7 +140,7 @@ def run(args) -> dict:
     prompt = read_prompt(args)
     device = resolve_device(args.device)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[mla-ops] {msg}", flush=True))
-    from ..integrations.transformers import apply, modeling
+    from ..integrations.transformers import apply, remote_code
     from . import loading
 
     memory = PeakMemory(device)
@@ -166,7 +166,7 @@ def run(args) -> dict:
             from ..backends import npu
 
             say(f"compiling the NPU kv_prolog kernels for {npu.warmup_token_counts()} tokens")
-            remote = any(modeling.is_remote_attention(m) for m in model.modules())
+            remote = any(remote_code.is_remote_attention(m) for m in model.modules())
             npu.warmup(model, rope_layout="half" if remote else "interleaved")
     else:
         say("baseline: the stock transformers model (no mla op)")

@@ -11,16 +11,16 @@ Modules: `deepseek_v2` (apply: what is patched, options), `forwards` (the instal
 `patching` (reversible, scoped attribute patches), `modeling` (finding transformers' classes).
 """
 from .deepseek_v2 import CACHE_MODES, PatchOptions, apply
-from .forwards import native_attention_forward, remote_attention_forward, rms_norm_forward
+from .forwards import native_attention_forward, rms_norm_forward
 from .modeling import (
     ALLOW_UNTESTED_ENV,
     SUPPORTED_TRANSFORMERS,
     check_transformers_version,
     is_native_attention,
-    is_remote_attention,
 )
 from .paged_cache import MLAPagedCache, cache_bytes_per_token_per_layer
 from .patching import PatchHandle, active_patches, revert
+from .remote_code import is_remote_attention, remote_attention_forward
 
 __all__ = ["apply", "revert", "active_patches", "PatchHandle", "PatchOptions", "MLAPagedCache", "CACHE_MODES",
            "SUPPORTED_TRANSFORMERS", "ALLOW_UNTESTED_ENV", "check_transformers_version", "is_native_attention",

@@ -37,17 +37,16 @@ from typing import Optional
 import torch
 
 from . import generation
-from .forwards import native_attention_forward, remote_attention_forward, rms_norm_forward
+from .forwards import native_attention_forward, rms_norm_forward
 from .modeling import (
-    REMOTE_FLASH_ATTENTION,
     check_transformers_version,
     is_native_attention,
-    is_remote_attention,
     is_rms_norm,
     native_module,
 )
 from .paged_attention import ABSORBED_ATTRIBUTE
 from .patching import PatchHandle, open_handle
+from .remote_code import REMOTE_FLASH_ATTENTION, is_remote_attention, remote_attention_forward
 
 CACHE_MODES = ("dense", "paged")
 

@@ -1,11 +1,9 @@
-"""The forwards the patch installs: DeepSeek-V2 attention (native and hub remote code) and RMSNorm.
+"""The forwards the patch installs on transformers' native modules: MLA attention and RMSNorm.
 
 The native forward serves both cache modes: a paged latent cache (`MLAPagedCache`, whoever made it)
 goes to `paged_attention`, anything else (no cache, or a transformers cache) takes the dense path.
 """
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -51,59 +49,6 @@ def native_attention_forward(self, hidden_states, attention_mask=None, cache=Non
         key_states, value_states = self.expand_kv(k_nope, k_pe)
     query_states = torch.cat((q_nope, q_pe), dim=-1)
     return attend_and_project(self, query_states, key_states, value_states, attention_mask, **kwargs)
-
-
-def _remote_rope_pairs(attn, hidden_states, position_ids, kv_seq_len):
-    """cos/sin per rotation pair [B, S, R/2] from the remote code's own rotary embedding.
-
-    Its tables are cat(freqs, freqs) over the full rope dim, indexed by position; the first half
-    is one value per pair. They come in the activation dtype (the remote code casts them)."""
-    cos, sin = attn.rotary_emb(hidden_states, seq_len=kv_seq_len)
-    half = attn.qk_rope_head_dim // 2
-    return cos[position_ids][..., :half], sin[position_ids][..., :half]
-
-
-def _past_length(past_key_value, layer_idx, new_tokens) -> int:
-    if past_key_value is None:
-        return 0
-    if hasattr(past_key_value, "get_usable_length"):  # transformers 4.x Cache API the remote code uses
-        return past_key_value.get_usable_length(new_tokens, layer_idx)
-    return past_key_value.get_seq_length(layer_idx)
-
-
-def remote_attention_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
-                             output_attentions=False, use_cache=False, **kwargs):
-    """Drop-in for the hub remote code's `DeepseekV2Attention.forward` (eager attention).
-
-    KV path through `mla.kv_prolog(rope_layout="half")`: its k_pe is de-interleaved exactly like the
-    remote code's `apply_rotary_pos_emb` leaves it, so the cached keys are the ones it would cache."""
-    opts = patch_options(self)  # kv_prolog=True and cache="dense": apply() refuses the rest for remote code
-    batch, seq, _ = hidden_states.shape
-    q_nope, q_pe = split_query(self, hidden_states)
-    kv_seq_len = seq + _past_length(past_key_value, self.layer_idx, seq)
-    if position_ids is None:
-        position_ids = torch.arange(kv_seq_len - seq, kv_seq_len, device=hidden_states.device)[None].expand(batch, -1)
-    cos, sin = _remote_rope_pairs(self, hidden_states, position_ids, kv_seq_len)
-    k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, cos, sin, "half")
-    if opts.rope:
-        q_pe = torch.ops.mla.rope(q_pe, cos, sin, layout="half")
-    else:
-        full_cos, full_sin = self.rotary_emb(hidden_states, seq_len=kv_seq_len)
-        q_pe, _ = sys.modules[type(self).__module__].apply_rotary_pos_emb(
-            q_pe, q_pe[:, :1], full_cos, full_sin, position_ids)
-    query_states = torch.cat((q_nope, q_pe), dim=-1)
-    key_states = dense_key(k_nope, k_pe)
-    if past_key_value is not None:
-        key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx,
-                                                         {"sin": sin, "cos": cos})
-    attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.softmax_scale
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = torch.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
-    attn_weights = torch.nn.functional.dropout(attn_weights, p=self.attention_dropout, training=self.training)
-    attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).reshape(batch, seq, -1)
-    attn_output = self.o_proj(attn_output)
-    return attn_output, (attn_weights if output_attentions else None), past_key_value
 
 
 def rms_norm_forward(self, hidden_states):

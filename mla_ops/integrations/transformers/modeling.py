@@ -7,7 +7,6 @@ import torch
 
 SUPPORTED_TRANSFORMERS = ("5.24.0", "5.25.0")  # [min, max): the versions this patch is tested against
 ALLOW_UNTESTED_ENV = "MLA_OPS_ALLOW_UNTESTED_TRANSFORMERS"
-REMOTE_FLASH_ATTENTION = "DeepseekV2FlashAttention2"  # the hub code's FA2 variant: other mask convention
 
 
 def native_module():
@@ -35,14 +34,6 @@ def check_transformers_version() -> str:
 
 def is_native_attention(module: torch.nn.Module) -> bool:
     return isinstance(module, native_module().DeepseekV2Attention)
-
-
-def is_remote_attention(module: torch.nn.Module) -> bool:
-    """The hub remote-code attention (modeling_deepseek.py): same class name, its own module, and the
-    remote code's per-layer `rotary_emb` and `softmax_scale` attributes."""
-    return (type(module).__name__ == "DeepseekV2Attention" and not is_native_attention(module)
-            and hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "rotary_emb")
-            and hasattr(module, "softmax_scale"))
 
 
 def is_rms_norm(module: torch.nn.Module) -> bool:
