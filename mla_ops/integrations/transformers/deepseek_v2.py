@@ -40,6 +40,7 @@ from . import generation
 from .forwards import native_attention_forward, rms_norm_forward
 from .modeling import (
     check_transformers_version,
+    has_native_deepseek_v2,
     is_native_attention,
     is_rms_norm,
     native_module,
@@ -84,9 +85,10 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
         raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
     if cache == "paged" and not kv_prolog:
         raise ValueError("cache='paged' needs kv_prolog=True (the latent prolog feeds the paged cache)")
-    check_transformers_version()
     options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache)
     # Everything that can refuse this model is checked before the previous patch is touched.
+    if model is None or not _only_remote_code(model):
+        check_transformers_version()  # the native classes' forward and cache API are version-specific
     targets = None if model is None else _instance_targets(model, options)
     scope = "classes" if model is None else weakref.ref(model)
     handle = open_handle(options, scope, derived=(ABSORBED_ATTRIBUTE,))
@@ -98,13 +100,21 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
     return handle
 
 
+def _only_remote_code(model: torch.nn.Module) -> bool:
+    """Whether `model` holds the hub remote code's attention and nothing from transformers' own
+    DeepSeek-V2: then the patch needs nothing version-specific from the installed transformers."""
+    modules = list(model.modules())
+    return (any(is_remote_attention(m) for m in modules)
+            and not any(type(m).__module__.startswith("transformers.models.deepseek_v2.") for m in modules))
+
+
 def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> list:
     """(module, forward) pairs to patch in `model`; raises, touching nothing, if it cannot be patched."""
     patch_attention = options.kv_prolog or options.rope
     targets, found_attention, decoder_found = [], False, False
-    native_model_class = native_module().DeepseekV2Model
+    native_model_class = native_module().DeepseekV2Model if has_native_deepseek_v2() else ()
     for module in model.modules():
-        decoder_found |= isinstance(module, native_model_class)
+        decoder_found |= bool(native_model_class) and isinstance(module, native_model_class)
         if patch_attention and is_native_attention(module):
             targets.append((module, native_attention_forward))
             found_attention = True

@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from ..._optional import has_module
+
 SUPPORTED_TRANSFORMERS = ("5.24.0", "5.25.0")  # [min, max): the versions this patch is tested against
 ALLOW_UNTESTED_ENV = "MLA_OPS_ALLOW_UNTESTED_TRANSFORMERS"
 
@@ -14,6 +16,11 @@ def native_module():
     from transformers.models.deepseek_v2 import modeling_deepseek_v2
 
     return modeling_deepseek_v2
+
+
+def has_native_deepseek_v2() -> bool:
+    """Whether the installed transformers ships DeepSeek-V2 itself (4.54 and later), without importing it."""
+    return has_module("transformers.models.deepseek_v2")
 
 
 def check_transformers_version() -> str:
@@ -33,7 +40,7 @@ def check_transformers_version() -> str:
 
 
 def is_native_attention(module: torch.nn.Module) -> bool:
-    return isinstance(module, native_module().DeepseekV2Attention)
+    return has_native_deepseek_v2() and isinstance(module, native_module().DeepseekV2Attention)
 
 
 def is_rms_norm(module: torch.nn.Module) -> bool:
