@@ -80,7 +80,13 @@ def check_writable_layout(op: str, name: str, t: torch.Tensor) -> None:
     )
 
 
-ROPE_LAYOUTS = ("interleaved", "half")  # transformers' apply_rotary_emb pairs / the hub code's halves
+# Where the rotation pairs are, and where the rotated pair goes:
+#   "interleaved": pairs (x[2i], x[2i+1]), written back in place (transformers' DeepSeek-V2 apply_rotary_emb);
+#   "half": pairs (x[2i], x[2i+1]), written de-interleaved to (out[i], out[i+D/2]) (the hub DeepSeek code,
+#           DeepSeek-V3's apply_rotary_pos_emb_interleave, torch_npu.npu_interleave_rope);
+#   "neox": pairs (x[i], x[i+D/2]), written in place (GPT-NeoX / Llama apply_rotary_pos_emb with rotate_half).
+ROPE_LAYOUTS = ("interleaved", "half", "neox")
+INTERLEAVED_INPUT_LAYOUTS = ("interleaved", "half")  # the layouts whose pairs are adjacent in the input
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # the activation dtypes the Ascend kernels compute in
 
 

@@ -92,13 +92,13 @@ def test_instance_scope_class_scope_and_revert():
         expected = other(ids).logits
     handle = patch.apply(patched)
     attn = patched.model.layers[0].self_attn
-    assert attn.forward.__func__ is patch.native_attention_forward
+    assert attn.forward.__func__ is patch.mla_attention_forward
     assert other.model.layers[0].self_attn.forward.__func__ is ORIGINAL_ATTENTION_FORWARD, "other models untouched"
     assert hf.DeepseekV2Attention.forward is ORIGINAL_ATTENTION_FORWARD, "instance patch leaves the class alone"
     second = patch.apply(patched)  # applying again replaces the first patch (newest options win)
     assert not handle.active and patch.active_patches() == [second]
     handle.revert()  # reverting a replaced handle is harmless
-    assert attn.forward.__func__ is patch.native_attention_forward
+    assert attn.forward.__func__ is patch.mla_attention_forward
     second.revert()
     second.revert()  # and so is reverting twice
     patch.revert()
@@ -107,7 +107,7 @@ def test_instance_scope_class_scope_and_revert():
         assert torch.equal(patched(ids).logits, expected)
 
     with patch.apply(rms_norm=True) as class_handle:  # class level: models built afterwards use the ops
-        assert hf.DeepseekV2Attention.forward is patch.native_attention_forward
+        assert hf.DeepseekV2Attention.forward is patch.mla_attention_forward
         assert hf.DeepseekV2RMSNorm.forward is patch.rms_norm_forward
         fresh = build_model(config)
         with torch.no_grad(), MlaCalls() as calls:
@@ -230,9 +230,9 @@ def test_patched_model_still_trains():
 def test_version_outside_supported_range_is_refused(monkeypatch):
     import transformers
 
-    monkeypatch.setattr(transformers, "__version__", "5.22.0")
+    monkeypatch.setattr(transformers, "__version__", "4.53.0")
     monkeypatch.delenv(patch.ALLOW_UNTESTED_ENV, raising=False)
-    with pytest.raises(RuntimeError, match=r"supports transformers >= 5\.24\.0, < 5\.25\.0 .* found 5\.22\.0"):
+    with pytest.raises(RuntimeError, match=r"supports transformers >= 4\.54\.0 .*, < 5\.25\.0 .* found 4\.53\.0"):
         patch.apply()
     monkeypatch.setenv(patch.ALLOW_UNTESTED_ENV, "1")
     patch.apply().revert()
@@ -241,13 +241,13 @@ def test_version_outside_supported_range_is_refused(monkeypatch):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="cache must be one of"):
         patch.apply(cache="latent")
-    with pytest.raises(ValueError, match="no DeepSeek-V2 attention module found in Linear"):
+    with pytest.raises(ValueError, match="no multi-head latent attention found in Linear"):
         patch.apply(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got str"):
         patch.apply("model")
-    with pytest.raises(ValueError, match="model: no DeepSeek-V2 module to patch in Linear"):
+    with pytest.raises(ValueError, match="no multi-head latent attention found in Linear"):
         patch.apply(torch.nn.Linear(2, 2), kv_prolog=False, rms_norm=True)
-    with pytest.raises(ValueError, match="nothing to patch: kv_prolog, rope and rms_norm are all False"):
+    with pytest.raises(ValueError, match="nothing to patch: kv_prolog, q_prolog, rope and rms_norm are all False"):
         patch.apply(kv_prolog=False)
     assert not patch.active_patches()
 

@@ -447,7 +447,7 @@ def _save_and_load(model):
     return torch.load(buffer, weights_only=False)
 
 
-PATCH_ENTRIES = ("forward", "_mla_ops_options", "_mla_ops_absorbed", "__getstate__", "_prepare_cache_for_generation")
+PATCH_ENTRIES = ("forward", "_mla_ops_patch", "_mla_ops_absorbed", "__getstate__", "_prepare_cache_for_generation")
 
 
 def _assert_plain_stock(model, ids, expected):

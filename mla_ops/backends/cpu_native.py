@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._checks import INTERLEAVED_INPUT_LAYOUTS
 from ..ops.decode_attention import check_decode_values
 from ..ops.gather_pa_kv_cache import check_gather_values, functional_gather
 from ..ops.scatter_pa_kv_cache import check_scatter_values
@@ -150,8 +151,12 @@ def _dtype_reasons(activation: Tensor) -> list[str]:
             f"the reference kernel serves it"]
 
 
-def _prolog_reasons(hidden_states, *args, **kwargs) -> list[str]:
-    return _dtype_reasons(hidden_states)
+def _prolog_reasons(hidden_states, *args, rope_layout: str = "interleaved", **kwargs) -> list[str]:
+    reasons = _dtype_reasons(hidden_states)
+    if rope_layout not in INTERLEAVED_INPUT_LAYOUTS:
+        reasons.append(f"rope_layout {rope_layout!r}: the native prolog kernels rotate adjacent pairs "
+                       f"({' or '.join(INTERLEAVED_INPUT_LAYOUTS)}); the reference kernel serves it")
+    return reasons
 
 
 def _decode_reasons(q_latent, q_pe, key_cache, value_cache, *args, **kwargs) -> list[str]:

@@ -7,8 +7,11 @@ computed as transformers' native `apply_rotary_emb` does, one complex multiplica
 `layout="interleaved"`, which writes (o0, o1) back into the pair positions, is bit-identical to it.
 `layout="half"` writes the same values de-interleaved, out[i] = o0, out[i + D/2] = o1: the hub
 remote code's `apply_rotary_pos_emb` (de-interleave, then x*cos + rotate_half(x)*sin) and
-`torch_npu.npu_interleave_rope`. Attention scores are identical for either layout as long as q and
-k use the same one.
+`torch_npu.npu_interleave_rope`; it is also bit-identical to DeepSeek-V3's
+`apply_rotary_pos_emb_interleave` in fp32. `layout="neox"` rotates the pairs (x[i], x[i+D/2]) and writes
+them in place: `apply_rotary_pos_emb` with `rotate_half` (MiniCPM3; DeepSeek-V3 with
+`rope_interleave=False`). Attention scores are identical for either layout as long as q and k use the
+same one.
 """
 import torch
 from torch import Tensor
@@ -23,7 +26,7 @@ OP = "rope"
 # ------------------------------------------------------------------------------------------ check
 @memo_by_signature
 def check_rope_args(x: Tensor, cos: Tensor, sin: Tensor, *, layout: str = "interleaved") -> None:
-    """x [..., S, D] float with D even; cos/sin [B, S, D/2] or [S, D/2]; layout interleaved|half."""
+    """x [..., S, D] float with D even; cos/sin [B, S, D/2] or [S, D/2]; layout interleaved|half|neox."""
     check_layout(OP, "layout", layout)
     check_float(OP, "x", x)
     torch._check(x.dim() >= 2, lambda: f"mla.{OP}: x must be [..., S, D], got shape {tuple(x.shape)}")
@@ -57,13 +60,16 @@ def rope_math(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") 
     and it is exactly transformers' apply_rotary_emb arithmetic.
     """
     cdt = compute_dtype(x.dtype)
-    xf = x.to(cdt).contiguous()  # view_as_complex needs even strides and offset
+    if layout == "neox":  # pairs (x[i], x[i+D/2]): gathered next to each other first
+        xf = x.to(cdt).view(*x.shape[:-1], 2, x.shape[-1] // 2).transpose(-1, -2).contiguous()
+    else:
+        xf = x.to(cdt).contiguous()  # view_as_complex needs even strides and offset
     # explicit sizes: a -1 would be ambiguous for an empty x
     pairs = torch.view_as_complex(xf.view(*x.shape[:-1], x.shape[-1] // 2, 2))
     rotated = torch.view_as_real(pairs * torch.complex(broadcast_table(cos, x), broadcast_table(sin, x)))
     if layout == "interleaved":
         out = rotated.flatten(-2)
-    else:  # de-interleaved: all first elements of the pairs, then all second elements
+    else:  # half / neox: all first elements of the pairs, then all second elements
         out = rotated.transpose(-1, -2).reshape(x.shape)
     return out.to(x.dtype).contiguous()
 
@@ -78,7 +84,7 @@ def rope_backward_math(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, layout
     """Gradients of `rope_math` w.r.t. x, cos and sin (None where not needed).
 
     The rotation is orthogonal, so dL/dx is the rotation by -theta of the output gradient, put
-    back into the input's interleaved pair positions whatever the output layout.
+    back into the input's pair positions (adjacent for interleaved / half, halves for neox).
     """
     cdt = compute_dtype(x.dtype)
     g = grad.to(cdt)
@@ -92,10 +98,15 @@ def rope_backward_math(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, layout
     if need_x:
         gx0 = g0 * c + g1 * s
         gx1 = g1 * c - g0 * s
-        grad_x = torch.stack((gx0, gx1), dim=-1).flatten(-2).to(x.dtype)
+        pairs_in_halves = layout == "neox"
+        grad_x = (torch.cat((gx0, gx1), dim=-1) if pairs_in_halves
+                  else torch.stack((gx0, gx1), dim=-1).flatten(-2)).to(x.dtype)
     if need_tables:
         xf = x.to(cdt)
-        x0, x1 = xf[..., 0::2], xf[..., 1::2]
+        if layout == "neox":
+            x0, x1 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2:]
+        else:
+            x0, x1 = xf[..., 0::2], xf[..., 1::2]
         grad_cos = (g0 * x0 + g1 * x1).sum_to_size(c.shape).reshape(cos.shape).to(cos.dtype)
         grad_sin = (g1 * x0 - g0 * x1).sum_to_size(s.shape).reshape(sin.shape).to(sin.dtype)
     return grad_x, grad_cos, grad_sin

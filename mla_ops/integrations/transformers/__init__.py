@@ -1,28 +1,27 @@
-"""transformers integration: route DeepSeek-V2's multi-head latent attention through `torch.ops.mla`.
+"""transformers integration: route multi-head latent attention (DeepSeek-V2/V3 and the MLA families
+built on them) through `torch.ops.mla`.
 
     from mla_ops.integrations import transformers as mla_transformers
     handle = mla_transformers.apply(model)                 # this model's attention layers only
     handle = mla_transformers.apply(model, cache="paged")  # + paged latent cache, absorbed decode
     handle.revert()                                        # the stock forwards again
 
-Modules: `deepseek_v2` (apply: what is patched, options), `forwards` (the installed forwards),
-`attention_parts` (pieces both cache modes share), `paged_cache` (MLAPagedCache),
-`paged_attention` (the paged forward, absorbed decode), `generation` (model-level cache hooks),
-`patching` (reversible, scoped attribute patches), `modeling` (finding transformers' classes).
+Modules: `patch` (apply: what is patched, options), `families` (recognising MLA attention classes
+by structure, and how each family differs), `releases` (what changed between transformers
+releases), `forwards` (the installed forwards), `attention_parts` (pieces every mode and family
+shares), `paged_cache` (MLAPagedCache), `paged_attention` (the paged forward, absorbed decode),
+`generation` (model-level cache hooks), `patching` (reversible, scoped attribute patches),
+`remote_code` (the hub remote code of DeepSeek-V2).
 """
-from .deepseek_v2 import CACHE_MODES, PatchOptions, apply
-from .forwards import native_attention_forward, rms_norm_forward
-from .modeling import (
-    ALLOW_UNTESTED_ENV,
-    SUPPORTED_TRANSFORMERS,
-    check_transformers_version,
-    is_native_attention,
-)
+from .families import MlaFamily, describe, families_of, installed_mla_model_types, is_mla_attention
+from .forwards import mla_attention_forward, rms_norm_forward
 from .paged_cache import MLAPagedCache, cache_bytes_per_token_per_layer
+from .patch import CACHE_MODES, PatchOptions, apply
 from .patching import PatchHandle, active_patches, revert
+from .releases import ALLOW_UNTESTED_ENV, SUPPORTED_TRANSFORMERS, check_transformers_version
 from .remote_code import is_remote_attention, remote_attention_forward
 
 __all__ = ["apply", "revert", "active_patches", "PatchHandle", "PatchOptions", "MLAPagedCache", "CACHE_MODES",
-           "SUPPORTED_TRANSFORMERS", "ALLOW_UNTESTED_ENV", "check_transformers_version", "is_native_attention",
-           "is_remote_attention", "native_attention_forward", "remote_attention_forward", "rms_norm_forward",
-           "cache_bytes_per_token_per_layer"]
+           "SUPPORTED_TRANSFORMERS", "ALLOW_UNTESTED_ENV", "check_transformers_version", "is_mla_attention",
+           "is_remote_attention", "mla_attention_forward", "remote_attention_forward", "rms_norm_forward",
+           "cache_bytes_per_token_per_layer", "MlaFamily", "describe", "families_of", "installed_mla_model_types"]

@@ -1,56 +1,88 @@
-"""The forwards the patch installs on transformers' native modules: MLA attention and RMSNorm.
+"""The forwards the patch installs on transformers' own modules: MLA attention (every supported
+family, every supported release) and RMSNorm.
 
-The native forward serves both cache modes: a paged latent cache (`MLAPagedCache`, whoever made it)
-goes to `paged_attention`, anything else (no cache, or a transformers cache) takes the dense path.
+The attention forward serves both cache modes: a paged latent cache (`MLAPagedCache`, whoever made
+it) goes to `paged_attention`, anything else (no cache, or a transformers cache) takes the dense path.
 """
 from __future__ import annotations
 
 import torch
 
 from . import paged_attention
-from .attention_parts import attend_and_project, dense_key, kv_prolog_call, patch_options, split_query
-from .modeling import native_module
+from .attention_parts import (
+    attend,
+    dense_key,
+    expand_latent,
+    kv_prolog_call,
+    latent_prolog,
+    layer_patch,
+    project_output,
+    query,
+    rotary,
+    scale_query,
+    sort_arguments,
+)
 from .paged_cache import MLAPagedCache
 
 
-def native_attention_forward(self, hidden_states, attention_mask=None, cache=None, position_embeddings=None,
-                             **kwargs):
-    """Drop-in for transformers' native `DeepseekV2Attention.forward` (5.24 signature)."""
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)  # the pre-5.24 keyword, still accepted upstream
-    if isinstance(cache, MLAPagedCache):  # whoever made it (this patch, or a class-level one)
-        return paged_attention.paged_attention_forward(self, hidden_states, attention_mask, cache,
-                                                       position_embeddings, **kwargs)
-    # no cache, or a cache of another kind: the dense path serves it
-    opts = patch_options(self)
-    hf = native_module()
-    batch, seq = hidden_states.shape[:-1]
-    q_nope, q_pe = split_query(self, hidden_states)
-    freqs_cis = position_embeddings.to(hidden_states.device)  # complex64 [B, S, R/2]
-    cos, sin = freqs_cis.real, freqs_cis.imag
-    if opts.kv_prolog:
-        k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, cos, sin, "interleaved")
-        if opts.rope:
-            q_pe = torch.ops.mla.rope(q_pe, cos, sin)
-        else:
-            q_pe, _ = hf.apply_rotary_emb(q_pe, q_pe[:, :1], freqs_cis)  # stock rotation of q only
+def mla_attention_forward(self, hidden_states, *args, **kwargs):
+    """Drop-in for a transformers MLA attention forward (any supported family and release): takes
+    the stock signature (see `LayerPatch.family.parameters`), returns (attn_output, attn_weights)."""
+    patch = layer_patch(self)
+    inputs = sort_arguments(patch.family, args, kwargs)
+    if isinstance(inputs.cache, MLAPagedCache):  # whoever made it (this patch, or a class-level one)
+        return paged_attention.paged_attention_forward(self, patch, hidden_states, inputs)
+    opts = patch.options
+    rot = rotary(self, patch, inputs.position_embeddings, hidden_states)
+    q_nope, q_pe = query(self, patch, hidden_states, rot)
+    cache, release = inputs.cache, patch.release
+    if opts.kv_prolog and not patch.family.lora_scales:
+        k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, rot.cos, rot.sin, rot.layout or "interleaved")
         key_states = dense_key(k_nope, k_pe)
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+    elif opts.kv_prolog:  # LongCat scales the latent between the norm and kv_b: the latent prolog, then kv_b
+        latent, k_pe = latent_prolog(self, patch, hidden_states, rot)
+        k_nope, value_states = expand_latent(self, latent)
+        key_states = dense_key(k_nope, k_pe[:, None])
     else:
-        # Stock KV path (latent cache + expand_kv), with only the RoPE routed through mla.rope.
-        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
-        kv_nope, k_pe = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_nope = self.kv_a_layernorm(kv_nope).view(batch, 1, seq, self.kv_lora_rank)
-        k_pe = k_pe.view(batch, 1, seq, self.qk_rope_head_dim)
-        q_pe, k_pe = torch.ops.mla.rope(q_pe, cos, sin), torch.ops.mla.rope(k_pe, cos, sin)
+        key_states, value_states = _stock_kv_with_mla_rope(self, patch, hidden_states, rot, inputs)
+        cache = None  # (the stock KV path updated the cache itself)
+    if cache is not None:  # the full per-head K/V: the "dense" cache
+        key_states, value_states = release.update_cache(cache, key_states, value_states, self.layer_idx,
+                                                        inputs.cache_position, inputs.extra)
+    query_states = scale_query(self, patch, torch.cat((q_nope, q_pe), dim=-1), inputs.position_ids)
+    attn_output, attn_weights = attend(self, patch, query_states, key_states, value_states, inputs.attention_mask,
+                                       inputs.extra)
+    return project_output(self, patch, attn_output, hidden_states), attn_weights
+
+
+def _stock_kv_with_mla_rope(attn, patch, hidden_states, rot, inputs):
+    """The stock KV path with only k_pe's RoPE through mla.rope (kv_prolog=False, rope=True): the
+    latent cache + expand_kv where the stock forward has them (transformers >= 5.16), else kv_b
+    before a full K/V cache. Returns (key [B, N, T, P+R], value [B, N, T, V])."""
+    batch, seq = hidden_states.shape[:-1]
+    compressed_kv = attn.kv_a_proj_with_mqa(hidden_states)
+    kv_nope, k_pe = torch.split(compressed_kv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    latent = attn.kv_a_layernorm(kv_nope)
+    if patch.family.lora_scales:
+        latent = latent * attn.mla_scale_kv_lora
+    k_pe = k_pe.view(batch, 1, seq, attn.qk_rope_head_dim)
+    if rot.layout is not None:
+        k_pe = torch.ops.mla.rope(k_pe, rot.cos, rot.sin, layout=rot.layout)
+    cache, release = inputs.cache, patch.release
+    if patch.family.latent_stock_cache:
+        latent = latent.view(batch, 1, seq, attn.kv_lora_rank)
         if cache is not None:
-            k_nope, k_pe = cache.update(k_nope, k_pe, self.layer_idx, kwargs=kwargs)
-        key_states, value_states = self.expand_kv(k_nope, k_pe)
-    query_states = torch.cat((q_nope, q_pe), dim=-1)
-    return attend_and_project(self, query_states, key_states, value_states, attention_mask, **kwargs)
+            latent, k_pe = release.update_cache(cache, latent, k_pe, attn.layer_idx, inputs.cache_position,
+                                                inputs.extra)
+        return attn.expand_kv(latent, k_pe)
+    k_nope, value_states = expand_latent(attn, latent)
+    key_states = dense_key(k_nope, k_pe)
+    if cache is not None:
+        key_states, value_states = release.update_cache(cache, key_states, value_states, attn.layer_idx,
+                                                        inputs.cache_position, inputs.extra)
+    return key_states, value_states
 
 
 def rms_norm_forward(self, hidden_states):
-    """Drop-in for `DeepseekV2RMSNorm.forward` (native and remote code compute the same thing)."""
+    """Drop-in for an MLA family's RMSNorm forward (fp32 variance, weight * normed.to(dtype))."""
     return torch.ops.mla.rms_norm(hidden_states, self.weight, self.variance_epsilon)

@@ -7,19 +7,38 @@ import weakref
 
 import torch
 
-from .modeling import native_module
+from .attention_parts import PATCH_ATTRIBUTE
+from .families import is_mla_attention
 from .paged_attention import drop_absorbed_weights, track_absorbed_owners
 from .paged_cache import MLAPagedCache, unsupported
 from .patching import stock_attr
 
 
+def paged_layer_count(decoder) -> int:
+    """How many MLA layers the paged cache holds for `decoder` (max layer_idx + 1); refuses a decoder
+    whose layers are not all MLA (hybrids with linear attention keep state MLAPagedCache cannot hold)."""
+    layer_ids = []
+    for layer in decoder.layers:
+        mla = [m for m in layer.modules() if is_mla_attention(m)]
+        if not mla:
+            raise NotImplementedError(
+                f"cache='paged': {type(decoder).__name__} mixes MLA layers with layers of another kind ("
+                f"{type(layer).__name__} has no MLA attention, e.g. linear attention), whose state lives in "
+                f"transformers' own cache; MLAPagedCache holds MLA latents only. Use cache='dense'")
+        layer_ids += [m.layer_idx for m in mla]
+    return max(layer_ids) + 1
+
+
 def _instance_wants_dense(decoder) -> bool:
-    """Whether `decoder` (a DeepseekV2Model) carries an instance patch with a dense cache: its options
-    win over a class-level paged patch, whichever was applied first."""
+    """Whether `decoder` (an MLA family's decoder model) carries an instance patch with a dense cache:
+    its options win over a class-level paged patch, whichever was applied first."""
     layers = getattr(decoder, "layers", None)
-    attn = getattr(layers[0], "self_attn", None) if layers is not None and len(layers) else None
-    options = attn.__dict__.get("_mla_ops_options") if attn is not None else None
-    return options is not None and options.cache != "paged"
+    first = layers[0] if layers is not None and len(layers) else None
+    for module in first.modules() if first is not None else ():
+        patch = module.__dict__.get(PATCH_ATTRIBUTE)
+        if patch is not None:
+            return patch.options.cache != "paged"
+    return False
 
 
 def _model_forward_with_paged_cache(original_forward):
@@ -34,7 +53,7 @@ def _model_forward_with_paged_cache(original_forward):
         if use_cache and cache is None and not torch.is_grad_enabled() and not _instance_wants_dense(self):
             # With gradients (training), the model's own cache and the dense path serve: the paged
             # cache's writes are inference-only ops.
-            cache = MLAPagedCache(self.config)
+            cache = MLAPagedCache(self.config, num_layers=paged_layer_count(self))
         if isinstance(cache, MLAPagedCache):
             tokens = input_ids if input_ids is not None else inputs_embeds
             cache.begin_forward(attention_mask, tokens.shape[0], tokens.shape[1], self.embed_tokens.weight.dtype,
@@ -74,33 +93,35 @@ def _prepare_cache_with_paged(original):
         rows = batch_size * max(1, generation_config.num_return_sequences or 1)
         # a compiled decode makes the absorbed copies inside the trace: register their owners here
         track_absorbed_owners(m for m in self.modules() if hasattr(m, "kv_b_proj"))
+        decoder = getattr(self, "model", None)
+        layers = paged_layer_count(decoder) if decoder is not None else None
         model_kwargs["cache"] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
-                                              static=static, dtype=self.dtype, device=self.device)
+                                              static=static, dtype=self.dtype, device=self.device, num_layers=layers)
         return result
 
     prepare.__name__ = "mla_ops_prepare_cache_for_generation"
     return prepare
 
 
-def install_cache_factory(target, handle) -> None:
-    """Hook cache creation on a model instance (or on the native classes when target is the
-    DeepseekV2Model class): model(use_cache=True) and generate() then build MLAPagedCache; reverting
-    the handle frees the absorbed W_UK / W_UV copies the decode path made."""
-    hf = native_module()
+def install_cache_factory(decoder, causal_lm, handle) -> None:
+    """Hook cache creation on a decoder and its causal LM, instances (or classes, for a class-level
+    patch): model(use_cache=True) and generate() then build MLAPagedCache; reverting the handle frees
+    the absorbed W_UK / W_UV copies the decode path made."""
+    decoder_class = decoder if isinstance(decoder, type) else type(decoder)
     # Always wrap the stock functions, so applying twice never stacks two wrappers.
-    stock_forward = stock_attr(hf.DeepseekV2Model, "forward")
-    stock_prepare = stock_attr(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation")
-    if isinstance(target, type):  # class level
-        handle.set(hf.DeepseekV2Model, "forward", _model_forward_with_paged_cache(stock_forward))
-        handle.set(hf.DeepseekV2ForCausalLM, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare))
+    stock_forward = stock_attr(decoder_class, "forward")
+    if isinstance(decoder, type):  # class level
+        handle.set(decoder, "forward", _model_forward_with_paged_cache(stock_forward))
+        if causal_lm is not None:
+            stock_prepare = stock_attr(causal_lm, "_prepare_cache_for_generation")
+            handle.set(causal_lm, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare))
         handle.on_revert(drop_absorbed_weights)
         return
-    target_ref = weakref.ref(target)  # the callback must not keep the model alive
+    target_ref = weakref.ref(causal_lm)  # the callback must not keep the model alive
     handle.on_revert(lambda: drop_absorbed_weights(target_ref().modules() if target_ref() is not None else ()))
-    for model in (m for m in target.modules() if isinstance(m, hf.DeepseekV2Model)):  # apply() checked one exists
-        bound = _model_forward_with_paged_cache(stock_forward)
-        handle.set(model, "forward", types.MethodType(bound, model), in_dict=True)
-    if hasattr(target, "_prepare_cache_for_generation"):
+    bound = _model_forward_with_paged_cache(stock_forward)
+    handle.set(decoder, "forward", types.MethodType(bound, decoder), in_dict=True)
+    if hasattr(causal_lm, "_prepare_cache_for_generation") and causal_lm is not decoder:
+        stock_prepare = stock_attr(type(causal_lm), "_prepare_cache_for_generation")
         wrapped = _prepare_cache_with_paged(stock_prepare)
-        handle.set(target, "_prepare_cache_for_generation", types.MethodType(wrapped, target), in_dict=True)
-
+        handle.set(causal_lm, "_prepare_cache_for_generation", types.MethodType(wrapped, causal_lm), in_dict=True)

@@ -15,7 +15,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .attention_parts import attend_and_project, dense_key, expand_latent, split_query
+from .attention_parts import attend, dense_key, expand_latent, latent_prolog, project_output, query, rotary, scale_query
 from .paged_cache import ForwardPlan, MLAPagedLayer
 
 # The attribute holding a layer's absorbed W_UK / W_UV copies: derived from kv_b_proj.weight, so
@@ -113,37 +113,40 @@ def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe):
     return out.transpose(1, 2).reshape(latent.shape[0], seq, -1)
 
 
-def paged_attention_forward(attn, hidden_states, attention_mask, cache, position_embeddings, **kwargs):
-    """The paged-mode body of the patched native DeepseekV2Attention.forward."""
+def paged_attention_forward(attn, patch, hidden_states, inputs):
+    """The paged-mode body of the patched MLA attention forward -> (attn_output [B, S, hidden], None)."""
+    cache = inputs.cache
     plan = cache.plan
     if plan is None:
         raise RuntimeError("MLAPagedCache has no plan for this forward: the model-level hook did not run "
                            "(patch the model with apply(model, cache='paged'))")
     batch, seq = hidden_states.shape[:-1]
-    freqs_cis = position_embeddings.to(hidden_states.device)
-    cos, sin = freqs_cis.real, freqs_cis.imag
-    kv_a, norm = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm
-    latent, k_pe = torch.ops.mla.latent_kv_prolog(hidden_states, kv_a.weight, kv_a.bias, norm.weight, cos, sin,
-                                                  eps=norm.variance_epsilon)
+    rot = rotary(attn, patch, inputs.position_embeddings, hidden_states)
+    latent, k_pe = latent_prolog(attn, patch, hidden_states, rot)
     layer = cache.layers[attn.layer_idx]
-    torch.ops.mla.scatter_pa_kv_cache(latent.view(batch * seq, 1, -1), k_pe.view(batch * seq, 1, -1),
+    torch.ops.mla.scatter_pa_kv_cache(latent.reshape(batch * seq, 1, -1), k_pe.reshape(batch * seq, 1, -1),
                                       layer.latent_pool, layer.k_pe_pool, plan.slot_mapping)
-    q_nope, q_pe = split_query(attn, hidden_states)
-    q_pe = torch.ops.mla.rope(q_pe, cos, sin)
+    q_nope, q_pe = query(attn, patch, hidden_states, rot)
+    if patch.family.query_position_scale:
+        q_nope = scale_query(attn, patch, q_nope, inputs.position_ids)
+        q_pe = scale_query(attn, patch, q_pe, inputs.position_ids)
     if seq == 1:
         attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe)
-        return attn.o_proj(attn_output), None
+        return project_output(attn, patch, attn_output, hidden_states), None
     query_states = torch.cat((q_nope, q_pe), dim=-1)
     if plan.has_prefix:
         attn_output = _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe)
-        return attn.o_proj(attn_output), None
+        return project_output(attn, patch, attn_output, hidden_states), None
     # Fresh prefill: the new tokens are all there is (padding included, masked by transformers' own mask),
     # so this is stock's arithmetic and gives stock's logits.
     k_nope, value_states = expand_latent(attn, latent)
     key_states = dense_key(k_nope, k_pe[:, None])
+    attention_mask = inputs.attention_mask
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != seq:
         # transformers sized the mask for the whole cache (static: max_cache_len; after rows of only
         # padding: seen + S); the keys here are the new tokens, which are its last S (dynamic) or
         # first S (static, nothing seen yet) columns.
         attention_mask = attention_mask[..., :seq] if cache.static else attention_mask[..., -seq:]
-    return attend_and_project(attn, query_states, key_states, value_states, attention_mask, **kwargs)
+    attn_output, attn_weights = attend(attn, patch, query_states, key_states, value_states, attention_mask,
+                                       inputs.extra)
+    return project_output(attn, patch, attn_output, hidden_states), attn_weights

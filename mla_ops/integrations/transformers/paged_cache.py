@@ -85,7 +85,7 @@ class MLAPagedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError(
             "MLAPagedCache stores the MLA latent through mla.scatter_pa_kv_cache in the patched attention "
-            "(mla_ops.model_patches.deepseek_v2.apply(model, cache='paged')); it has no per-head K/V to update")
+            "(mla_ops.integrations.transformers.apply(model, cache='paged')); it has no per-head K/V to update")
 
     def get_seq_length(self) -> int:
         return self._cache.get_seq_length()
@@ -137,7 +137,7 @@ class MLAPagedCache(Cache):
     """A transformers `Cache` holding the MLA latent and rotated k_pe in paged block pools.
 
     Args:
-        config: the DeepseekV2Config (kv_lora_rank, qk_rope_head_dim, num_hidden_layers).
+        config: the model's config (kv_lora_rank, qk_rope_head_dim, num_hidden_layers).
         block_size: tokens per block (default 64).
         batch_size: rows; required with static=True, else taken from the first forward.
         max_cache_len: tokens per row to reserve; required with static=True. With static=False it
@@ -148,11 +148,13 @@ class MLAPagedCache(Cache):
             [b*n, (b+1)*n)) and keep every piece of bookkeeping in tensors, for torch.compile and
             graph capture.
         dtype, device: allocate now instead of at the first forward.
+        num_layers: MLA layers to hold (default config.num_hidden_layers; LongCat-Flash has two per
+            decoder layer).
     """
 
     def __init__(self, config, *, block_size: int = DEFAULT_BLOCK_SIZE, batch_size: Optional[int] = None,
                  max_cache_len: Optional[int] = None, static: bool = False, dtype: Optional[torch.dtype] = None,
-                 device=None):
+                 device=None, num_layers: Optional[int] = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if static and (batch_size is None or max_cache_len is None):
@@ -161,7 +163,7 @@ class MLAPagedCache(Cache):
         self.block_size = block_size
         self.kv_lora_rank = config.kv_lora_rank
         self.rope_dim = config.qk_rope_head_dim
-        self.num_layers = config.num_hidden_layers
+        self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self.max_cache_len = max_cache_len
         self._batch_size = batch_size
         super().__init__(layers=[MLAPagedLayer(self) for _ in range(self.num_layers)])

@@ -45,11 +45,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ... import pypto_runtime as runtime
-from ..._checks import HALF_DTYPES, ROPE_LAYOUTS
+from ..._checks import HALF_DTYPES, INTERLEAVED_INPUT_LAYOUTS
 
 __all__ = [
     "DEFAULT_STAGE2_CONFIG",
-    "ROPE_LAYOUTS",
+    "INTERLEAVED_INPUT_LAYOUTS",
     "Stage2Config",
     "kv_prolog_stage2",
     "kv_prolog_stage2_not_supported_reasons",
@@ -129,8 +129,9 @@ def kv_prolog_stage2_not_supported_reasons(normed_ckv, k_pe, kv_b_weight, cos, s
     reasons: List[str] = []
     if mode not in runtime.MODES:
         reasons.append(f"mode must be one of {runtime.MODES}, got {mode!r}")
-    if rope_layout not in ROPE_LAYOUTS:
-        reasons.append(f"rope_layout must be one of {ROPE_LAYOUTS}, got {rope_layout!r}")
+    if rope_layout not in INTERLEAVED_INPUT_LAYOUTS:
+        reasons.append(f"rope_layout {rope_layout!r}: the kernel rotates adjacent pairs "
+                       f"({' or '.join(INTERLEAVED_INPUT_LAYOUTS)})")
     dims = {"num_heads": num_heads, "qk_nope_head_dim": qk_nope_head_dim, "v_head_dim": v_head_dim}
     for name, v in dims.items():
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -1,0 +1,213 @@
+"""Which transformers attention classes are DeepSeek-style multi-head latent attention (MLA), and how
+each family differs from the others: read off the class, never looked up in a list of names.
+
+transformers carries one MLA forward per model family (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi-Linear,
+LongCat-Flash, MiniCPM3, Mistral-4, ...), mostly generated from DeepSeek-V3's. A class is an MLA
+attention the patch can serve when
+
+* its `__init__` builds the MLA modules (`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
+  `o_proj`, and `q_proj` or `q_a_proj` / `q_a_layernorm` / `q_b_proj`), and
+* every global and attribute name its `forward` uses (`forward.__code__.co_names`) is one the patch
+  reproduces: the DeepSeek-V3 forward's own vocabulary plus the per-family features below.
+
+A forward that uses any other name does something the patch does not reproduce, and is refused
+with those names in the reason (a sparse-attention `indexer` gets its own reason). The features:
+
+==========================  =========================================  ==============================
+forward uses                meaning                                    the patch
+==========================  =========================================  ==============================
+apply_rotary_emb            complex-pair RoPE (DeepSeek-V2)            rope_layout "interleaved"
+apply_rotary_pos_emb_inter  interleaved pairs, written de-interleaved  rope_layout "half"
+leave                       (DeepSeek-V3, rope_interleave=True)
+apply_rotary_pos_emb        rotate_half pairs (x[i], x[i+D/2])          rope_layout "neox"
+both + rope_interleave      the config's `rope_interleave` chooses     per model
+no RoPE function            NoPE (Kimi-Linear): the rope dims pass     identity tables
+                            through unrotated
+mla_scale_q_lora/_kv_lora   LongCat's LoRA scales on q and the latent  applied where stock does
+g_proj                      per-head sigmoid output gate (Bailing)      applied before o_proj
+get_llama_4_attn_scale      Llama-4 position-dependent query scale     applied to the query
+                            (Mistral-4)
+expand_kv                   the stock cache holds the latent            (the stock KV path, rope=True
+                            (transformers >= 5.16)                      with kv_prolog=False)
+==========================  =========================================  ==============================
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import pathlib
+import sys
+from typing import Optional
+
+import torch
+
+# Names every MLA forward of transformers >= 4.54 may use for what the patch reproduces: the q/kv
+# projections, split, cache update, attention interface, o_proj (DeepSeek-V3's forward, plus the
+# spellings of older DeepSeek-V2 releases).
+BASE_FORWARD_NAMES = frozenset({
+    "ALL_ATTENTION_FUNCTIONS", "_attn_implementation", "attention_dropout", "cat", "config", "contiguous",
+    "eager_attention_forward", "get_interface", "kv_a_layernorm", "kv_a_proj_with_mqa", "kv_b_proj",
+    "kv_lora_rank", "layer_idx", "o_proj", "q_a_layernorm", "q_a_proj", "q_b_proj", "q_lora_rank", "q_proj",
+    "qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "reshape", "scaling", "shape", "split",
+    "torch", "training", "transpose", "update", "view", "expand", "device", "to",
+    # DeepSeek-V2 before 5.x: a deprecation warning for `padding_mask`, value padding for flash-attention
+    "warnings", "warn", "F", "pad",
+})
+ROPE_FUNCTIONS = {  # the stock function -> the layout mla.rope / mla.kv_prolog reproduce it with
+    "apply_rotary_emb": "interleaved",
+    "apply_rotary_pos_emb_interleave": "half",
+    "apply_rotary_pos_emb": "neox",
+}
+FEATURES = {  # feature -> (the name that marks it, every name its code uses)
+    "config_rope_interleave": ("rope_interleave", {"rope_interleave"}),
+    "lora_scales": ("mla_scale_q_lora", {"mla_scale_q_lora", "mla_scale_kv_lora"}),
+    "output_gate": ("g_proj", {"g_proj", "sigmoid", "float", "dtype", "unsqueeze"}),
+    "query_position_scale": ("get_llama_4_attn_scale", {"get_llama_4_attn_scale", "rope_parameters", "get", "dtype"}),
+    "latent_stock_cache": ("expand_kv", {"expand_kv"}),
+}
+MLA_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+# The RMSNorm forward the ops reproduce (fp32 variance, weight * normed.to(input dtype)).
+RMS_NORM_NAMES = frozenset({"dtype", "to", "torch", "float32", "pow", "mean", "rsqrt", "variance_epsilon", "weight"})
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaFamily:
+    """What the patch needs to know about one transformers MLA attention class.
+
+    `rope`: "interleaved" | "half" | "neox" (fixed by the forward), "config" (`config.rope_interleave`
+    chooses "half" or "neox"), or "none" (NoPE). `parameters`: the stock forward's parameter names
+    after `self`, in order (positional calls are mapped onto them). `refused`: why it cannot be
+    patched (None when it can)."""
+
+    attention: type
+    model_type: str
+    rope: str
+    parameters: tuple[str, ...]
+    lora_scales: bool = False
+    output_gate: bool = False
+    query_position_scale: bool = False
+    latent_stock_cache: bool = False
+    refused: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type} ({self.attention.__name__})"
+
+    @property
+    def modeling(self):
+        """The attention class's modeling module (its RoPE functions, attention registry)."""
+        return sys.modules[self.attention.__module__]
+
+    def rope_layout(self, config) -> Optional[str]:
+        """The mla rope layout reproducing this model's RoPE (None: NoPE)."""
+        if self.rope == "config":
+            return "half" if getattr(config, "rope_interleave", True) else "neox"
+        return None if self.rope == "none" else self.rope
+
+    def model_classes(self) -> tuple[Optional[type], Optional[type]]:
+        """(the decoder `*Model`, the `*ForCausalLM`) of this family's modeling module."""
+        from transformers import PreTrainedModel
+
+        found = {"Model": None, "ForCausalLM": None}
+        for name, obj in vars(self.modeling).items():
+            if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == self.modeling.__name__:
+                for suffix in found:
+                    if name.endswith(suffix) and not name.endswith("PreTrainedModel") and (
+                            suffix != "Model" or not name.endswith("ForCausalLM")):
+                        found[suffix] = found[suffix] or obj
+        return found["Model"], found["ForCausalLM"]
+
+
+def _forward_names(cls: type) -> frozenset:
+    return frozenset(inspect.unwrap(cls.forward).__code__.co_names)
+
+
+def builds_mla_modules(cls: type) -> bool:
+    """Whether `cls.__init__` creates the MLA projections (read from its code, nothing is built)."""
+    init = getattr(cls, "__init__", None)
+    code = getattr(init, "__code__", None)
+    if code is None:
+        return False
+    names = set(code.co_names)
+    return all(m in names for m in MLA_MODULES) and ("q_proj" in names or "q_b_proj" in names)
+
+
+@functools.lru_cache(maxsize=None)
+def describe(cls: type) -> MlaFamily:
+    """Read `cls` (an attention class that `builds_mla_modules`) into an MlaFamily."""
+    names = _forward_names(cls)
+    module = cls.__module__
+    model_type = module.split(".")[2] if module.startswith("transformers.models.") else module
+    parameters = tuple(p.name for p in list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
+                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    rope_functions = sorted(names & ROPE_FUNCTIONS.keys())
+    features = {feature: marker in names for feature, (marker, _) in FEATURES.items()}
+    known = set(BASE_FORWARD_NAMES) | set(ROPE_FUNCTIONS)
+    for feature, (_, used) in FEATURES.items():
+        if features[feature]:
+            known |= used
+    unknown = sorted(names - known)
+    refused = None
+    if "indexer" in names:
+        refused = ("sparse attention: an indexer picks the top-k keys each query attends to, which the dense "
+                   "and absorbed MLA ops (attention over every cached token) do not compute")
+    elif unknown:
+        refused = f"its forward uses {', '.join(unknown)}, which the patch does not reproduce"
+    if features["config_rope_interleave"] and set(rope_functions) == {"apply_rotary_pos_emb",
+                                                                       "apply_rotary_pos_emb_interleave"}:
+        rope = "config"
+    elif len(rope_functions) == 1:
+        rope = ROPE_FUNCTIONS[rope_functions[0]]
+    elif not rope_functions:
+        rope = "none"
+    else:
+        rope, refused = "config", refused or f"its forward chooses between {rope_functions} by a rule the patch " \
+                                             f"does not know"
+    return MlaFamily(attention=cls, model_type=model_type, rope=rope, parameters=parameters,
+                     lora_scales=features["lora_scales"], output_gate=features["output_gate"],
+                     query_position_scale=features["query_position_scale"],
+                     latent_stock_cache=features["latent_stock_cache"], refused=refused)
+
+
+def is_mla_attention(module: torch.nn.Module) -> bool:
+    """A transformers MLA attention module (by the structure of its class; supported or not)."""
+    cls = type(module)
+    return cls.__module__.startswith("transformers.models.") and builds_mla_modules(cls)
+
+
+def norm_refusal(norm: torch.nn.Module) -> Optional[str]:
+    """Why `kv_a_layernorm` is not the RMSNorm mla.kv_prolog computes (None when it is)."""
+    if not hasattr(norm, "variance_epsilon") or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        return f"its kv_a_layernorm ({type(norm).__name__}) has no `weight` / `variance_epsilon`"
+    extra = sorted(_forward_names(type(norm)) - RMS_NORM_NAMES)
+    if extra:
+        return f"its kv_a_layernorm ({type(norm).__name__}) computes more than RMSNorm (uses {', '.join(extra)})"
+    return None
+
+
+# ------------------------------------------------------------------------------ what is installed
+def installed_mla_model_types() -> list[str]:
+    """model_type of every transformers model whose modeling file builds MLA projections (a text
+    scan of the installed package: nothing is imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    models = pathlib.Path(next(iter(spec.submodule_search_locations))) / "models"
+    found = []
+    for path in sorted(models.glob("*/modeling_*.py")):
+        if path.stem == f"modeling_{path.parent.name}" and "kv_a_proj_with_mqa" in path.read_text(errors="ignore"):
+            found.append(path.parent.name)
+    return found
+
+
+def families_of(model_type: str) -> list[MlaFamily]:
+    """Every MLA attention class of one installed model family (imports its modeling module)."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return [describe(obj) for obj in vars(modeling).values()
+            if isinstance(obj, type) and obj.__module__ == modeling.__name__ and "forward" in vars(obj)
+            and builds_mla_modules(obj)]

@@ -1,0 +1,240 @@
+"""Route a transformers MLA model's attention through `torch.ops.mla`, and back.
+
+    from mla_ops.integrations import transformers as mla_transformers
+    handle = mla_transformers.apply(model)            # this model's attention layers only
+    ...                                               # same tokens, through mla.kv_prolog
+    handle.revert()                                   # the stock forwards again
+
+    with mla_transformers.apply(family="deepseek_v3", rms_norm=True):   # class level: models built
+        model = DeepseekV3ForCausalLM(config)                           # inside use the ops
+
+Targets:
+* transformers' own MLA attention classes (DeepSeek-V2, DeepSeek-V3 and the families built on its
+  forward), recognised by structure (`families`) on transformers `SUPPORTED_TRANSFORMERS`; sparse
+  attention (an indexer) and forwards doing something the patch does not reproduce are refused
+  with the reason;
+* the hub remote code's `DeepseekV2Attention` of `modeling_deepseek.py` (trust_remote_code), found on
+  the model instance, on whatever transformers runs it (`remote_code`).
+
+Options (each routes one piece; the rest stays stock):
+* `kv_prolog` — the KV path (kv_a -> split -> RMSNorm -> kv_b -> split -> RoPE) is one
+  `mla.kv_prolog` call on the new tokens, and the full per-head K/V is cached ("dense" cache).
+* `q_prolog` — the query path (q_a -> RMSNorm -> q_b, or q_proj -> split -> RoPE) is one `mla.q_prolog`.
+* `rope` — `q_pe` is rotated with `mla.rope` (and `k_pe` too when `kv_prolog=False`).
+* `rms_norm` — the family's RMSNorm modules go through `mla.rms_norm`.
+* `cache` — `"dense"` (above) or `"paged"`: the MLA latent cache (see `paged_cache` and `paged_attention`).
+
+cos/sin always come from the model's own rotary embedding (YaRN scaling included), never recomputed.
+Memory trade-off of the dense cache: per token and layer it holds N*(P+R) + N*V values (V2-Lite:
+16*192 + 16*128 = 5120, 10240 B in bf16) against the latent cache's L+R = 576 (1152 B); the paged
+mode keeps the latent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import weakref
+from typing import Optional
+
+import torch
+
+from . import generation
+from .attention_parts import PATCH_ATTRIBUTE, LayerPatch
+from .families import MlaFamily, describe, families_of, is_mla_attention, norm_refusal
+from .forwards import mla_attention_forward, rms_norm_forward
+from .paged_attention import ABSORBED_ATTRIBUTE
+from .patching import PatchHandle, open_handle
+from .releases import check_transformers_version, current_release
+from .remote_code import REMOTE_FLASH_ATTENTION, is_remote_attention, remote_attention_forward
+
+CACHE_MODES = ("dense", "paged")
+DEFAULT_FAMILY = "deepseek_v2"  # the class-level patch's family when none is named
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchOptions:
+    kv_prolog: bool = True
+    rms_norm: bool = False
+    rope: bool = False
+    cache: str = "dense"
+    q_prolog: bool = False
+
+
+def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rms_norm: bool = False,
+          rope: bool = False, cache: str = "dense", q_prolog: bool = False,
+          family: Optional[str] = None) -> PatchHandle:
+    """Patch a model's MLA attention (and optionally its RMSNorms / RoPE) onto `torch.ops.mla`.
+
+    Args:
+        model: a loaded model: patch this instance's modules only (any supported MLA family, or the
+            hub remote code). None: patch the classes of `family`, so models built afterwards use the ops.
+        kv_prolog: KV path through `mla.kv_prolog` (dense cache) — see the module docstring.
+        rms_norm: the family's RMSNorms through `mla.rms_norm`.
+        rope: q_pe (and k_pe without kv_prolog) through `mla.rope`.
+        cache: "dense" or "paged" (latent paged cache + absorbed decode; transformers' own classes only).
+        q_prolog: the query path through `mla.q_prolog`.
+        family: class level only: the transformers model_type whose classes to patch (default
+            "deepseek_v2"; `mla-ops info` lists the installed MLA families).
+    Returns:
+        A PatchHandle: `handle.revert()` (or leaving a `with` block) restores the stock forwards.
+        Applying again to the same model (or to the classes) first reverts the previous patch there:
+        the newest options win.
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a loaded MLA model), or None to patch the classes; "
+                        f"got {type(model).__name__}")
+    if model is not None and family is not None:
+        raise ValueError("family= names the classes to patch when model is None; with a model, the patch finds "
+                         "its families itself: drop family=")
+    if not (kv_prolog or rope or rms_norm or q_prolog):
+        raise ValueError("nothing to patch: kv_prolog, q_prolog, rope and rms_norm are all False; enable one")
+    if cache not in CACHE_MODES:
+        raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
+    if cache == "paged" and not kv_prolog:
+        raise ValueError("cache='paged' needs kv_prolog=True (the latent prolog feeds the paged cache)")
+    options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache, q_prolog=q_prolog)
+    # Everything that can refuse this model is checked before the previous patch is touched.
+    if model is None:
+        targets = _class_targets(family or DEFAULT_FAMILY, options)
+    else:
+        targets = _instance_targets(model, options)
+    scope = "classes" if model is None else weakref.ref(model)
+    handle = open_handle(options, scope, derived=(ABSORBED_ATTRIBUTE,))
+    try:
+        _patch(handle, model, targets, options)
+    except BaseException:
+        handle.revert()
+        raise
+    return handle
+
+
+@dataclasses.dataclass
+class _Targets:
+    attention: list  # (module or class, LayerPatch or None for the remote code)
+    norms: list  # modules or classes
+    decoders: list  # (decoder module or class, causal-LM module or class or None)
+
+
+def _attention_patch(family: MlaFamily, options: PatchOptions, release) -> LayerPatch:
+    if family.refused:
+        raise NotImplementedError(f"{family.name} cannot be patched: {family.refused}")
+    if options.q_prolog and family.lora_scales:
+        raise ValueError(f"q_prolog=True: {family.name} scales q between q_b_proj and RoPE, which mla.q_prolog "
+                         f"does not; use q_prolog=False (rope=True routes its RoPE)")
+    return LayerPatch(options, family, release)
+
+
+def _class_targets(model_type: str, options: PatchOptions) -> _Targets:
+    check_transformers_version()
+    try:
+        found = families_of(model_type)
+    except ModuleNotFoundError:
+        raise ValueError(f"family={model_type!r}: transformers has no model_type {model_type!r} (mla-ops info lists "
+                         f"the installed MLA families)") from None
+    if not found:
+        raise ValueError(f"family={model_type!r}: that model has no multi-head latent attention")
+    release = current_release()
+    modeling = found[0].modeling
+    attention = [(f.attention, _attention_patch(f, options, release)) for f in found] \
+        if options.kv_prolog or options.rope or options.q_prolog else []
+    norms = [cls for name, cls in vars(modeling).items()
+             if options.rms_norm and isinstance(cls, type) and name.endswith("RMSNorm")
+             and cls.__module__ == modeling.__name__ and "forward" in vars(cls)]
+    decoders = []
+    if options.cache == "paged":
+        model_class, causal_class = found[0].model_classes()
+        decoders.append((model_class, causal_class))
+    return _Targets(attention, norms, decoders)
+
+
+def _decoders(model: torch.nn.Module) -> list:
+    """The decoder stacks in `model`: modules holding `embed_tokens` and a `layers` ModuleList."""
+    return [m for m in model.modules()
+            if hasattr(m, "embed_tokens") and isinstance(getattr(m, "layers", None), torch.nn.ModuleList)]
+
+
+def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets:
+    """What to patch in `model`; raises, touching nothing, if it cannot be patched."""
+    patch_attention = options.kv_prolog or options.rope or options.q_prolog
+    attention, found_attention, native, release = [], False, False, None
+    for module in model.modules():
+        if is_remote_attention(module):
+            if options.cache == "paged":
+                raise NotImplementedError("cache='paged' supports transformers' own MLA attention classes only; "
+                                          "this model uses the hub remote code")
+            if not options.kv_prolog or options.q_prolog:
+                raise ValueError("the hub remote-code attention is routed through mla.kv_prolog: use "
+                                 "kv_prolog=True and q_prolog=False (rope=True and rms_norm=True can be added)")
+            found_attention = True
+            if patch_attention:
+                attention.append((module, None))
+        elif type(module).__name__ == REMOTE_FLASH_ATTENTION and patch_attention:
+            raise NotImplementedError("the hub remote code's DeepseekV2FlashAttention2 takes flash-attention "
+                                      "masks this patch does not build: load the model with "
+                                      "attn_implementation='eager', or use transformers' native DeepSeek-V2")
+        elif is_mla_attention(module):
+            if not native:
+                check_transformers_version()  # the native forward and cache API are release-specific
+                native, release = True, current_release()
+            family = describe(type(module))
+            layer = _attention_patch(family, options, release)
+            refusal = norm_refusal(module.kv_a_layernorm)
+            if refusal and options.kv_prolog:
+                raise NotImplementedError(f"{family.name} cannot be patched: {refusal}")
+            found_attention = True
+            if patch_attention:
+                attention.append((module, layer))
+    if not found_attention:
+        raise ValueError(f"no multi-head latent attention found in {type(model).__name__}: expected a transformers "
+                         f"MLA model (DeepSeek-V2/V3 and the families `mla-ops info` lists) or the hub remote code "
+                         f"of DeepSeek-V2 (modeling_deepseek.py)")
+    attention_modules = {type(m).__module__ for m, _ in attention} | {
+        type(m).__module__ for m in model.modules() if is_remote_attention(m) or is_mla_attention(m)}
+    norms = [m for m in model.modules()
+             if options.rms_norm and type(m).__name__.endswith("RMSNorm") and type(m).__module__ in attention_modules
+             and norm_refusal(m) is None]
+    decoders = []
+    if options.cache == "paged":
+        decoders = [(decoder, model) for decoder in _decoders(model)]
+        for decoder, _ in decoders:
+            generation.paged_layer_count(decoder)  # refuses hybrids before anything is patched
+        if not decoders:
+            raise ValueError(f"cache='paged' needs the decoder (a module with embed_tokens and layers) inside "
+                             f"{type(model).__name__}")
+    if not attention and not norms:  # rms_norm alone on a model without RMSNorms the ops compute
+        raise ValueError(f"model: no RMSNorm to patch in {type(model).__name__} (rms_norm=True looks for the MLA "
+                         f"family's RMSNorm modules)")
+    return _Targets(attention, norms, decoders)
+
+
+def _patch(handle: PatchHandle, model, targets: _Targets, options: PatchOptions) -> None:
+    if model is None:
+        for cls, layer in targets.attention:
+            handle.set(cls, PATCH_ATTRIBUTE, layer)
+            handle.set(cls, "forward", mla_attention_forward)
+            # copies of a class-patched model follow the class; only the derived copies stay behind
+            handle.set(cls, "__getstate__", _state_without_absorbed)
+            handle.patched_modules += 1
+        for cls in targets.norms:
+            handle.set(cls, "forward", rms_norm_forward)
+            handle.patched_modules += 1
+    else:
+        for module, layer in targets.attention:
+            forward = remote_attention_forward if layer is None else mla_attention_forward
+            handle.set(module, PATCH_ATTRIBUTE, layer or LayerPatch(options, None, None), in_dict=True)
+            handle.set(module, "forward", types.MethodType(forward, module), in_dict=True)
+            handle.patched_modules += 1
+        for module in targets.norms:
+            handle.set(module, "forward", types.MethodType(rms_norm_forward, module), in_dict=True)
+            handle.patched_modules += 1
+    for decoder, causal_lm in targets.decoders:
+        generation.install_cache_factory(decoder, causal_lm, handle)
+    # (a dense instance patch needs no hook of its own: a class-level paged hook defers to its options)
+
+
+def _state_without_absorbed(self) -> dict:
+    """An attention module's pickling state without the absorbed weight copies the paged decode made."""
+    state = torch.nn.Module.__getstate__(self)
+    state.pop(ABSORBED_ATTRIBUTE, None)
+    return state
+
