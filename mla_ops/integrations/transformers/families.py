@@ -6,7 +6,7 @@ LongCat-Flash, MiniCPM3, Mistral-4, ...), mostly generated from DeepSeek-V3's. A
 attention the patch can serve when
 
 * its `__init__` builds the MLA modules (`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
-  `o_proj`, and `q_proj` or `q_a_proj` / `q_a_layernorm` / `q_b_proj`), and
+  `o_proj`; the query through `q_proj` or `q_a_proj` / `q_a_layernorm` / `q_b_proj`), and
 * every global and attribute name its `forward` uses (`forward.__code__.co_names`) is one the patch
   reproduces: the DeepSeek-V3 forward's own vocabulary plus the per-family features below.
 
@@ -130,7 +130,7 @@ def builds_mla_modules(cls: type) -> bool:
     if code is None:
         return False
     names = set(code.co_names)
-    return all(m in names for m in MLA_MODULES) and ("q_proj" in names or "q_b_proj" in names)
+    return all(m in names for m in MLA_MODULES)
 
 
 @functools.lru_cache(maxsize=None)
