@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import transformers
 from transformers import CompileConfig, StaticCache
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
@@ -84,6 +85,14 @@ def test_greedy_generate_32_tokens_and_padded_batch(config_name, dtype_name):
     assert torch.equal(got_batch, expected_batch)
 
 
+# transformers 4.x StaticCache layers are preallocated with config.head_dim; the dense patch caches the
+# full key (qk_nope + qk_rope wide), which needs the lazily sized static layers of transformers 5.
+STATIC_CACHE_TAKES_FULL_KEYS = pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="transformers 4.x StaticCache is preallocated with config.head_dim, narrower than the dense patch's "
+           "full keys; transformers 5 sizes static layers from the first update")
+
+
 def test_instance_scope_class_scope_and_revert():
     config = tiny_config()
     patched, other = build_model(config), build_model(config)
@@ -123,7 +132,7 @@ def test_instance_scope_class_scope_and_revert():
     import weakref
 
     doomed = build_model(config)
-    patch.apply(doomed, cache="paged")
+    patch.apply(doomed, cache="paged" if patch.releases.current_release().paged else "dense")
     alive = weakref.ref(doomed)
     del doomed
     gc.collect()
@@ -148,6 +157,7 @@ def test_rope_and_rms_norm_options_route_their_ops(dtype_name):
     assert torch.equal(got_stock_kv, expected) and torch.equal(got_all, expected)
 
 
+@STATIC_CACHE_TAKES_FULL_KEYS
 def test_static_cache_fullgraph_compile_has_kv_prolog_and_matches_stock():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
@@ -189,6 +199,7 @@ def test_static_cache_fullgraph_compile_has_kv_prolog_and_matches_stock():
     assert torch.equal(got, expected)
 
 
+@STATIC_CACHE_TAKES_FULL_KEYS
 def test_generate_with_static_cache_and_compile_config():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
@@ -256,3 +267,14 @@ def test_top_level_shortcut():
     model = build_model(tiny_config())
     with mla_ops.patch_deepseek_v2(model) as handle:
         assert handle.patched_modules == 2
+
+
+@pytest.mark.skipif(patch.releases.current_release().paged, reason="this transformers serves cache='paged' "
+                    "(tests/test_paged_model.py)")
+def test_paged_mode_is_refused_where_the_cache_api_differs():
+    """Before 5.24 generate hands the model `past_key_values` and Cache has another API: a paged
+    patch there would decode against a fresh stock cache, so it is refused, before anything changes."""
+    model = build_model(tiny_config(), torch.float32, "sdpa")
+    with pytest.raises(NotImplementedError, match=r"cache='paged' needs transformers >= 5\.24\.0 .* Use cache='dense'"):
+        patch.apply(model, cache="paged")
+    assert not patch.active_patches() and all("forward" not in m.__dict__ for m in model.modules())

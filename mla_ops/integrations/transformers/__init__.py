@@ -13,9 +13,9 @@ shares), `paged_cache` (MLAPagedCache), `paged_attention` (the paged forward, ab
 `generation` (model-level cache hooks), `patching` (reversible, scoped attribute patches),
 `remote_code` (the hub remote code of DeepSeek-V2).
 """
+from . import releases  # noqa: F401 (public: what each transformers release supports)
 from .families import MlaFamily, describe, families_of, installed_mla_model_types, is_mla_attention
 from .forwards import mla_attention_forward, rms_norm_forward
-from .paged_cache import MLAPagedCache, cache_bytes_per_token_per_layer
 from .patch import CACHE_MODES, PatchOptions, apply
 from .patching import PatchHandle, active_patches, revert
 from .releases import ALLOW_UNTESTED_ENV, SUPPORTED_TRANSFORMERS, check_transformers_version
@@ -25,3 +25,13 @@ __all__ = ["apply", "revert", "active_patches", "PatchHandle", "PatchOptions", "
            "SUPPORTED_TRANSFORMERS", "ALLOW_UNTESTED_ENV", "check_transformers_version", "is_mla_attention",
            "is_remote_attention", "mla_attention_forward", "remote_attention_forward", "rms_norm_forward",
            "cache_bytes_per_token_per_layer", "MlaFamily", "describe", "families_of", "installed_mla_model_types"]
+
+
+def __getattr__(name):
+    # The paged cache subclasses transformers' Cache API of 4.56+; imported on first use, so the
+    # package imports beside any transformers (the hub remote code runs on 4.45).
+    if name in ("MLAPagedCache", "cache_bytes_per_token_per_layer"):
+        from . import paged_cache
+
+        return getattr(paged_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -182,9 +182,16 @@ def expand_latent(attn, latent):
 def attend(attn, patch: LayerPatch, query_states, key_states, value_states, attention_mask, extra: dict):
     """The model's attention implementation (eager / sdpa / ...) over [B, N, S, *] states
     -> ([B, S, N, V], attention weights or None)."""
-    interface = patch.release.attention_function(patch.family.modeling, attn.config._attn_implementation)
-    return interface(attn, query_states, key_states, value_states, attention_mask,
-                     dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **extra)
+    implementation = attn.config._attn_implementation
+    interface = patch.release.attention_function(patch.family.modeling, implementation)
+    pad = query_states.shape[-1] - value_states.shape[-1]
+    pad = pad if patch.family.flash_value_padding and "flash" in (implementation or "") else 0
+    if pad:  # as those stock forwards do: flash kernels want one head dim for K and V
+        value_states = torch.nn.functional.pad(value_states, [0, pad])
+    out, weights = interface(attn, query_states, key_states, value_states, attention_mask,
+                             dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
+                             **extra)
+    return (out[..., : out.shape[-1] - pad] if pad else out), weights
 
 
 def project_output(attn, patch: LayerPatch, attn_output, hidden_states):

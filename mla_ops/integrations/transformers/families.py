@@ -28,7 +28,9 @@ g_proj                      per-head sigmoid output gate (Bailing)      applied 
 get_llama_4_attn_scale      Llama-4 position-dependent query scale     applied to the query
                             (Mistral-4)
 expand_kv                   the stock cache holds the latent            (the stock KV path, rope=True
-                            (transformers >= 5.16)                      with kv_prolog=False)
+                            (transformers >= 5.15)                      with kv_prolog=False)
+F.pad                       V padded to the qk head dim for flash       padded the same way
+                            attention (DeepSeek-V2 4.54 - 5.23)
 ==========================  =========================================  ==============================
 """
 from __future__ import annotations
@@ -65,6 +67,8 @@ FEATURES = {  # feature -> (the name that marks it, every name its code uses)
     "output_gate": ("g_proj", {"g_proj", "sigmoid", "float", "dtype", "unsqueeze"}),
     "query_position_scale": ("get_llama_4_attn_scale", {"get_llama_4_attn_scale", "rope_parameters", "get", "dtype"}),
     "latent_stock_cache": ("expand_kv", {"expand_kv"}),
+    # DeepSeek-V2 of 4.54 - 5.x pads V to the qk head dim for flash-attention kernels itself
+    "flash_value_padding": ("pad", {"pad", "F", "is_flash_attention_requested"}),
 }
 MLA_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 # The RMSNorm forward the ops reproduce (fp32 variance, weight * normed.to(input dtype)).
@@ -88,6 +92,7 @@ class MlaFamily:
     output_gate: bool = False
     query_position_scale: bool = False
     latent_stock_cache: bool = False
+    flash_value_padding: bool = False
     refused: Optional[str] = None
 
     @property
@@ -167,7 +172,8 @@ def describe(cls: type) -> MlaFamily:
     return MlaFamily(attention=cls, model_type=model_type, rope=rope, parameters=parameters,
                      lora_scales=features["lora_scales"], output_gate=features["output_gate"],
                      query_position_scale=features["query_position_scale"],
-                     latent_stock_cache=features["latent_stock_cache"], refused=refused)
+                     latent_stock_cache=features["latent_stock_cache"],
+                     flash_value_padding=features["flash_value_padding"], refused=refused)
 
 
 def is_mla_attention(module: torch.nn.Module) -> bool:

@@ -22,7 +22,6 @@ from .attention_parts import (
     scale_query,
     sort_arguments,
 )
-from .paged_cache import MLAPagedCache
 
 
 def mla_attention_forward(self, hidden_states, *args, **kwargs):
@@ -30,7 +29,7 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
     the stock signature (see `LayerPatch.family.parameters`), returns (attn_output, attn_weights)."""
     patch = layer_patch(self)
     inputs = sort_arguments(patch.family, args, kwargs)
-    if isinstance(inputs.cache, MLAPagedCache):  # whoever made it (this patch, or a class-level one)
+    if getattr(inputs.cache, "holds_mla_latent_pages", False):  # an MLAPagedCache, whoever made it
         return paged_attention.paged_attention_forward(self, patch, hidden_states, inputs)
     opts = patch.options
     rot = rotary(self, patch, inputs.position_embeddings, hidden_states)

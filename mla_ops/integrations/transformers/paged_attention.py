@@ -11,12 +11,15 @@
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .attention_parts import attend, dense_key, expand_latent, latent_prolog, project_output, query, rotary, scale_query
-from .paged_cache import ForwardPlan, MLAPagedLayer
+
+if TYPE_CHECKING:  # (the paged cache module needs transformers' Cache API: not imported here)
+    from .paged_cache import ForwardPlan, MLAPagedLayer
 
 # The attribute holding a layer's absorbed W_UK / W_UV copies: derived from kv_b_proj.weight, so
 # never copied with the model (a copy remakes its own).
@@ -64,7 +67,7 @@ def _absorbed_weights(attn):
     return cached[2], cached[3]
 
 
-def absorbed_decode_step(attn, layer: MLAPagedLayer, plan: ForwardPlan, q_nope, q_pe):
+def absorbed_decode_step(attn, layer: "MLAPagedLayer", plan: "ForwardPlan", q_nope, q_pe):
     """One token per row: o = ((softmax(q_lat·latent + q_pe·k_pe) · latent) @ W_UV) -> [B, 1, N*V]."""
     w_uk, w_uv_t = _absorbed_weights(attn)
     batch = q_nope.shape[0]
@@ -75,7 +78,7 @@ def absorbed_decode_step(attn, layer: MLAPagedLayer, plan: ForwardPlan, q_nope, 
     return out.transpose(0, 1).reshape(batch, 1, -1)
 
 
-def _gather_prefix(layer: MLAPagedLayer, plan: ForwardPlan):
+def _gather_prefix(layer: "MLAPagedLayer", plan: "ForwardPlan"):
     """Cached prefix of every row, padded: (latent [B, P, L], k_pe [B, P, R], valid [B, P])."""
     prefix = plan.prefix_lens
     lengths = prefix.tolist()

@@ -152,6 +152,8 @@ class MLAPagedCache(Cache):
             decoder layer).
     """
 
+    holds_mla_latent_pages = True  # how the patched attention recognises it (without importing this module)
+
     def __init__(self, config, *, block_size: int = DEFAULT_BLOCK_SIZE, batch_size: Optional[int] = None,
                  max_cache_len: Optional[int] = None, static: bool = False, dtype: Optional[torch.dtype] = None,
                  device=None, num_layers: Optional[int] = None):

@@ -38,13 +38,12 @@ from typing import Optional
 
 import torch
 
-from . import generation
 from .attention_parts import PATCH_ATTRIBUTE, LayerPatch
 from .families import MlaFamily, describe, families_of, is_mla_attention, norm_refusal
 from .forwards import mla_attention_forward, rms_norm_forward
 from .paged_attention import ABSORBED_ATTRIBUTE
 from .patching import PatchHandle, open_handle
-from .releases import check_transformers_version, current_release
+from .releases import check_paged_supported, check_transformers_version, current_release
 from .remote_code import REMOTE_FLASH_ATTENTION, is_remote_attention, remote_attention_forward
 
 CACHE_MODES = ("dense", "paged")
@@ -134,6 +133,8 @@ def _class_targets(model_type: str, options: PatchOptions) -> _Targets:
     if not found:
         raise ValueError(f"family={model_type!r}: that model has no multi-head latent attention")
     release = current_release()
+    if options.cache == "paged":
+        check_paged_supported(release)
     modeling = found[0].modeling
     attention = [(f.attention, _attention_patch(f, options, release)) for f in found] \
         if options.kv_prolog or options.rope or options.q_prolog else []
@@ -176,6 +177,8 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
             if not native:
                 check_transformers_version()  # the native forward and cache API are release-specific
                 native, release = True, current_release()
+                if options.cache == "paged":
+                    check_paged_supported(release)
             family = describe(type(module))
             layer = _attention_patch(family, options, release)
             refusal = norm_refusal(module.kv_a_layernorm)
@@ -195,6 +198,8 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
              and norm_refusal(m) is None]
     decoders = []
     if options.cache == "paged":
+        from . import generation
+
         decoders = [(decoder, model) for decoder in _decoders(model)]
         for decoder, _ in decoders:
             generation.paged_layer_count(decoder)  # refuses hybrids before anything is patched
@@ -227,8 +232,11 @@ def _patch(handle: PatchHandle, model, targets: _Targets, options: PatchOptions)
         for module in targets.norms:
             handle.set(module, "forward", types.MethodType(rms_norm_forward, module), in_dict=True)
             handle.patched_modules += 1
-    for decoder, causal_lm in targets.decoders:
-        generation.install_cache_factory(decoder, causal_lm, handle)
+    if targets.decoders:
+        from . import generation  # (the paged cache needs transformers' Cache API: imported when used)
+
+        for decoder, causal_lm in targets.decoders:
+            generation.install_cache_factory(decoder, causal_lm, handle)
     # (a dense instance patch needs no hook of its own: a class-level paged hook defers to its options)
 
 

@@ -51,12 +51,22 @@ class Release:
     first: str  # the first release of the range
     attention_function: Callable  # (modeling module, implementation name) -> attention function
     update_cache: Callable  # (cache, key, value, layer_idx, cache_position, extra kwargs) -> (key, value)
+    paged: bool  # MLAPagedCache works: the Cache API it implements, generate's `cache` model kwarg
 
 
-RELEASES = (  # newest first; a release belongs to the first entry it is not older than
-    Release("5.0.0", _lookup_get_interface, _update_with_kwargs),
-    Release(FIRST_NATIVE, _lookup_by_key, _update_with_cache_position),
+# Newest first; a release belongs to the first entry it is not older than.
+#  5.24: the attention forward takes `cache=`, generate hands the model `model_kwargs["cache"]`,
+#        `Cache.max_cache_len` is a plain attribute (a read-only property before 5.20).
+#  5.4:  Cache.update(key, value, layer_idx, *args, **kwargs); before, a `cache_kwargs` dict.
+#  5.1:  ALL_ATTENTION_FUNCTIONS.get_interface(name, default).
+#  4.54: the first native DeepSeek-V2 (forward keyword `past_key_value`; `past_key_values` from 4.56).
+RELEASES = (
+    Release("5.24.0", _lookup_get_interface, _update_with_kwargs, paged=True),
+    Release("5.4.0", _lookup_get_interface, _update_with_kwargs, paged=False),
+    Release("5.1.0", _lookup_get_interface, _update_with_cache_position, paged=False),
+    Release(FIRST_NATIVE, _lookup_by_key, _update_with_cache_position, paged=False),
 )
+PAGED_SINCE = next(r.first for r in reversed(RELEASES) if r.paged)
 
 
 def installed_version() -> str:
@@ -88,6 +98,14 @@ def check_transformers_version() -> str:
             f"{version}. Install a transformers in that range, or set {ALLOW_UNTESTED_ENV}=1 to try anyway. (The hub "
             f"remote code of DeepSeek-V2, trust_remote_code=True, is patched on any transformers that runs it.)")
     return version
+
+
+def check_paged_supported(release: Release) -> None:
+    if not release.paged:
+        raise NotImplementedError(
+            f"cache='paged' needs transformers >= {PAGED_SINCE} (the Cache and generate API MLAPagedCache "
+            f"implements); found {installed_version()}. Use cache='dense' (served on transformers >= {FIRST_NATIVE}), "
+            f"or upgrade transformers")
 
 
 def current_release() -> Release:
