@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--allow-pickle", action="store_true",
                      help="allow pickle weights (*.bin/*.pt) when the checkpoint has no safetensors; pickle can run "
                           "arbitrary code")
-    src.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention kernel (default: sdpa)")
+    src.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                     help="attention kernel (default: sdpa; remote code without SDPA, such as DeepSeek-V2's, runs "
+                          "its eager attention)")
     gen = parser.add_argument_group("generation")
     gen.add_argument("--output_length", "--output-length", dest="output_length", type=int, default=100,
                      help="maximum new tokens (default: 100)")
@@ -134,14 +136,34 @@ class _TimingStreamer:
             self.text.end()
 
 
+def _check_remote_code_flags(args) -> None:
+    """Flags the hub remote code cannot take, refused before loading (a real checkpoint loads for minutes):
+    its attention is patched through the fused KV prolog only, onto its own dense K/V cache, and its
+    model class has no static cache for graph mode to compile."""
+    if args.cache == "paged":
+        raise CliError("--cache paged: the checkpoint's remote code (--trust-remote-code) keeps its own dense K/V "
+                       "cache; the paged latent cache needs transformers' native DeepSeek-V2 (run without "
+                       "--trust-remote-code on transformers 5.x), or use --cache dense")
+    if args.use_rope and not args.use_kv_fusion:
+        raise CliError("--use_rope on the checkpoint's remote code needs --use_kv_fusion: its attention is routed "
+                       "through mla.kv_prolog, and --use_rope adds the query's RoPE to that")
+    if args.use_acl_graph:
+        raise CliError("--use_acl_graph: graph mode decodes with a static cache, which the checkpoint's remote code "
+                       "does not support; run without --use_acl_graph, or without --trust-remote-code on "
+                       "transformers 5.x (its native DeepSeek-V2)")
+
+
 def run(args) -> dict:
     _validate(args)
     offline_environment()
     prompt = read_prompt(args)
     device = resolve_device(args.device)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[mla-ops] {msg}", flush=True))
-    from ..integrations.transformers import apply, remote_code
     from . import loading
+
+    if loading.runs_remote_code(args.model_path, args.trust_remote_code):
+        _check_remote_code_flags(args)
+    from ..integrations.transformers import apply, remote_code
 
     memory = PeakMemory(device)
     memory.reset()
@@ -158,7 +180,10 @@ def run(args) -> dict:
                    cache=args.cache)  # _validate refused --cache paged without --use_kv_fusion
     handle = None
     if args.use_kv_fusion or args.use_pto or args.use_rope:
-        handle = apply(model, **options)
+        try:
+            handle = apply(model, **options)
+        except (ValueError, NotImplementedError) as exc:  # a model these flags cannot patch: apply says why
+            raise CliError(f"the mla flags cannot patch this model: {exc}") from None
         say(f"routed through torch.ops.mla: {', '.join(k for k in ('kv_prolog', 'rms_norm', 'rope') if options[k])}"
             + (f" (cache={options['cache']})" if args.use_kv_fusion else ""))
         if device.type == "npu" and options["cache"] == "dense" and args.use_kv_fusion:

@@ -4,6 +4,11 @@ The built-in model is DeepSeek-V2 with V2-Lite's attention dimensions (hidden 20
 kv_lora_rank 512, rope 64, nope 128, v 128, YaRN), 2 layers (one dense, one MoE with 8 small
 experts), a 1024-token vocabulary and seeded random weights, with a committed offline tokenizer.
 Everything about running it is real; the text it writes is noise, because the weights are random.
+
+A checkpoint that ships its own code (config.json `auto_map`, DeepSeek-V2-Lite's modeling_deepseek.py)
+runs that code with --trust-remote-code. The hub DeepSeek-V2 code is written for transformers 4.x (tested
+on 4.45; 4.54 dropped the Cache.get_usable_length it calls), where transformers has no DeepSeek-V2 of its
+own and from_pretrained takes `torch_dtype` rather than `dtype`.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .._optional import has_module
 from .runtime import CliError, first_line, resolve_dtype
 
 BUILTIN_TOKENIZER = pathlib.Path(__file__).resolve().parents[1] / "assets" / "builtin_tokenizer"
@@ -30,6 +36,27 @@ class Loaded:
     source: str  # "built-in" or the checkpoint directory
     dtype: torch.dtype
     notes: list[str]
+
+
+def runs_remote_code(model_path: Optional[str], trust_remote_code: bool) -> bool:
+    """Whether loading `model_path` runs the checkpoint's own modeling code: --trust-remote-code and an
+    `auto_map` in its config.json. An unreadable config.json is left to inspect_checkpoint's errors."""
+    if not (model_path and trust_remote_code):
+        return False
+    try:
+        config = json.loads((pathlib.Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("auto_map"))
+
+
+def _require_native_deepseek_v2(what: str, fix: str) -> None:
+    """transformers' own DeepSeek-V2 arrived in 4.54: before that only a checkpoint's remote code runs it."""
+    if not has_module("transformers.models.deepseek_v2"):
+        import transformers
+
+        raise CliError(f"{what} needs transformers' native DeepSeek-V2, which transformers {transformers.__version__} "
+                       f"lacks (it came in 4.54); {fix}")
 
 
 def builtin_tokenizer():
@@ -106,6 +133,15 @@ def _checkpoint_dtype(config: dict) -> Optional[torch.dtype]:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name)
 
 
+def _dtype_keyword() -> str:
+    """from_pretrained's dtype argument: `dtype` since transformers 4.56, `torch_dtype` before (where
+    an unknown `dtype` would reach the model's __init__)."""
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
 def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, *, trust_remote_code: bool,
                      allow_pickle: bool, attn: str = "sdpa", progress: Callable[[str], None] = print):
     """Load a local checkpoint offline: native DeepseekV2ForCausalLM unless --trust-remote-code."""
@@ -114,6 +150,11 @@ def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, 
     info = inspect_checkpoint(path, allow_pickle=allow_pickle)
     config = info["config"]
     notes = []
+    remote_code = bool(config.get("auto_map")) and trust_remote_code
+    if not remote_code:
+        _require_native_deepseek_v2(
+            f"--model-path {path}", "pass --trust-remote-code to run the checkpoint's own modeling_deepseek.py"
+            if config.get("auto_map") else "install transformers 5.x, or use a checkpoint that ships its code")
     if config.get("auto_map") and not trust_remote_code:
         notes.append("the checkpoint ships remote code (auto_map); loading it with transformers' native "
                      "DeepSeek-V2 (pass --trust-remote-code to run its modeling_deepseek.py instead)")
@@ -121,12 +162,17 @@ def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, 
     progress(f"loading tokenizer from {path}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     progress(f"loading weights from {path} ({'safetensors' if info['safetensors'] else 'pickle'}, {dtype})")
+    kwargs = {_dtype_keyword(): dtype}
+    # DeepSeek-V2's hub code has eager and FlashAttention-2 attention only, and asking transformers for
+    # SDPA on a model without it is an error: for remote code, "sdpa" is left to transformers, which
+    # picks SDPA where the code has it and its eager attention otherwise.
+    if not (remote_code and attn == "sdpa"):
+        kwargs["attn_implementation"] = attn
     try:
         # mismatched shapes are collected (and refused below, by name) rather than raised
         model, loading_info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code,
-            use_safetensors=info["safetensors"], attn_implementation=attn, output_loading_info=True,
-            ignore_mismatched_sizes=True)
+            path, local_files_only=True, trust_remote_code=trust_remote_code, use_safetensors=info["safetensors"],
+            output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
     except pickle.UnpicklingError:
         raise CliError(f"--model-path {path}: the pickle weights hold objects other than tensors, which the safe "
                        f"loader (torch.load(weights_only=True)) refuses even with --allow-pickle; convert the "
@@ -145,6 +191,10 @@ def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, 
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise CliError(f"--model-path {path}: the checkpoint lacks {len(missing)} weight(s) the model needs "
                        f"({shown}); they would be random. Use a complete checkpoint")
+    used = getattr(model.config, "_attn_implementation", attn)
+    if used != attn:
+        notes.append(f"--attn {attn}: the checkpoint's remote code has no {attn} attention; running its {used} "
+                     f"attention")
     model = model.to(device).eval()
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
@@ -158,6 +208,9 @@ def load(model_path: Optional[str], dtype_name: str, device: torch.device, *, tr
         return checkpoint_model(pathlib.Path(model_path).expanduser(), dtype_name, device,
                                 trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, attn=attn,
                                 progress=progress)
+    _require_native_deepseek_v2("the built-in model (no --model-path / $MODEL_PATH)",
+                                "install transformers 5.x, or give --model-path with --trust-remote-code for a "
+                                "checkpoint that ships its modeling code")
     dtype = resolve_dtype(dtype_name, device)
     progress("no --model-path / $MODEL_PATH: building the built-in DeepSeek-V2 (V2-Lite attention dims, "
              "2 layers, small MoE, 1024-token vocab)")
