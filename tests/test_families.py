@@ -210,3 +210,32 @@ def test_class_level_patch_of_a_family():
         patch.apply(family="nonesuch")
     with pytest.raises(NotImplementedError, match="sparse attention"):
         patch.apply(family="deepseek_v32")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3"])
+def test_ask_runs_a_saved_checkpoint_of_the_family(family, tmp_path):
+    """`mla-ops ask --model-path` loads a saved family checkpoint offline and answers through the ops,
+    with the same tokens as the stock model generates."""
+    import json
+    import subprocess
+    import sys
+
+    from mla_ops.cli.loading import builtin_tokenizer
+
+    tokenizer = builtin_tokenizer()
+    model = _model(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "mla_ops", "ask", "--model-path", str(tmp_path), "--prompt", "hi",
+                           "--output_length", "4", "--min-output-length", "4", "--use_kv_fusion", "--dtype", "fp32",
+                           "--report-file", str(report)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert json.loads(report.read_text())["answer"] == tokenizer.decode(expected[0, ids.shape[1]:],
+                                                                        skip_special_tokens=True)

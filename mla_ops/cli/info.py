@@ -38,3 +38,25 @@ def run(args=None) -> None:
         rows.setdefault(op, []).append(f"{device_type}: {label}")
     for op, cells in rows.items():
         print(f"  {op:<32}{'   '.join(cells)}")
+    _print_mla_families()
+
+
+def _print_mla_families() -> None:
+    """The MLA model families the installed transformers provides, and whether the patch serves them."""
+    from .._optional import has_module
+
+    if not has_module("transformers"):
+        return
+    from ..integrations.transformers import families
+
+    print("\ntransformers MLA families (apply(model) patches the supported ones)")
+    for model_type in families.installed_mla_model_types():
+        try:
+            described = families.families_of(model_type)
+        except Exception as exc:  # a modeling module that does not import here (a missing optional package)
+            print(f"  {model_type:<18}not importable here ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
+            continue
+        for family in described:
+            status = "supported" if family.refused is None else f"refused: {family.refused}"
+            layout = family.rope if family.rope != "config" else "config.rope_interleave"
+            print(f"  {model_type:<18}{family.attention.__name__:<30}rope {layout:<24}{status}")

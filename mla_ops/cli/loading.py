@@ -78,6 +78,21 @@ def builtin_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sdpa
     return model, tokenizer
 
 
+def supported_model_types() -> tuple[str, ...]:
+    """model_type values `ask --model-path` runs: DeepSeek-V2 (native or hub remote code) and every MLA
+    family of the installed transformers that the patch supports (read off the classes)."""
+    from ..integrations.transformers import families
+
+    found = []
+    for model_type in families.installed_mla_model_types():
+        try:
+            if all(f.refused is None for f in families.families_of(model_type)):
+                found.append(model_type)
+        except Exception:  # a modeling module that does not import here (a missing optional package)
+            continue
+    return tuple(dict.fromkeys(DEEPSEEK_V2_TYPES + tuple(found)))
+
+
 def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool) -> dict:
     """Check a local checkpoint directory before touching transformers; clear errors for what is missing."""
     if not path.exists():
@@ -95,9 +110,11 @@ def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool) -> dict:
         raise CliError(f"--model-path {path}: config.json must be a JSON object (a model config), got a JSON "
                        f"{type(config).__name__}; use the checkpoint's own config.json")
     model_type = config.get("model_type")
-    if model_type not in DEEPSEEK_V2_TYPES:
+    supported = supported_model_types()
+    if model_type not in supported:
         raise CliError(f"--model-path {path}: config.json says model_type {model_type!r}, but mla-ops ask runs "
-                       f"DeepSeek-V2 checkpoints (model_type {DEEPSEEK_V2_TYPES[0]!r}); point --model-path at one")
+                       f"multi-head latent attention checkpoints the patch supports (model_type one of "
+                       f"{', '.join(supported)}); point --model-path at one")
     safetensors = sorted(path.glob("*.safetensors"))
     pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if not safetensors and pickles and not allow_pickle:

@@ -163,7 +163,7 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
             if options.cache == "paged":
                 raise NotImplementedError("cache='paged' supports transformers' own MLA attention classes only; "
                                           "this model uses the hub remote code")
-            if not options.kv_prolog or options.q_prolog:
+            if patch_attention and (not options.kv_prolog or options.q_prolog):
                 raise ValueError("the hub remote-code attention is routed through mla.kv_prolog: use "
                                  "kv_prolog=True and q_prolog=False (rope=True and rms_norm=True can be added)")
             found_attention = True
