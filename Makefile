@@ -63,9 +63,7 @@ test-vllm: $(VLLM_STAMP)
 # The transformers integration on other transformers releases, each in its own venv (.venv-tf<version>,
 # torch stays 2.13.0): the hub remote code of DeepSeek-V2 on 4.45 (where it runs), the first release with
 # a native DeepSeek-V2 (4.54) and a mid 5.x release (5.10); the pinned 5.24 is `make test`. Run after
-# `make test` (or `make venv`): the editable installs reuse the C++ kernels built there. On 4.54 and 5.10
-# the patch tests run on the reference kernels: there the native CPU kv_prolog differs from the stock
-# model by one ulp in k_pe (see README), which the bit-identical tests would report.
+# `make test` (or `make venv`): the editable installs reuse the C++ kernels built there.
 COMPAT_TRANSFORMERS := 4.45 4.54 5.10
 COMPAT_STAMPS := $(foreach v,$(COMPAT_TRANSFORMERS),.venv-tf$(v)/.mla-ops-installed)
 
@@ -78,5 +76,5 @@ COMPAT_STAMPS := $(foreach v,$(COMPAT_TRANSFORMERS),.venv-tf$(v)/.mla-ops-instal
 
 test-compat: $(COMPAT_STAMPS)
 	.venv-tf4.45/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch_remote.py
-	MLA_OPS_BACKEND=reference .venv-tf4.54/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch.py
-	MLA_OPS_BACKEND=reference .venv-tf5.10/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch.py
+	.venv-tf4.54/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch.py
+	.venv-tf5.10/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch.py

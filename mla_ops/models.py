@@ -55,12 +55,28 @@ def lite_attn_config(**overrides):
     return DeepseekV2Config(**cfg)
 
 
+def family_attn_config(model_type: str = "deepseek_v2", **overrides):
+    """DeepSeek-V2-Lite's attention dims (hidden 2048, 16 heads, L 512, R 64, P 128, V 128) on the config
+    of another transformers MLA family (`model_type`), 2 layers with dense MLPs, vocab 1024, each
+    family's own RoPE defaults; `deepseek_v2` is `lite_attn_config()`."""
+    if model_type == "deepseek_v2":
+        return lite_attn_config(**overrides)
+    from transformers import AutoConfig
+
+    cfg = dict(vocab_size=1024, hidden_size=2048, intermediate_size=1024, num_hidden_layers=2,
+               num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+               qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=2,
+               max_position_embeddings=8192 + 64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.update(overrides)
+    return AutoConfig.for_model(model_type, **cfg)
+
+
 def build_model(config, dtype=None, attn: str = "sdpa", seed: int = 0):
-    """A randomly initialised DeepseekV2ForCausalLM (seeded), in eval mode."""
+    """A randomly initialised causal LM of `config`'s family (DeepSeek-V2 by default; seeded), in eval mode."""
     import torch
-    from transformers import DeepseekV2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config._attn_implementation = attn
-    model = DeepseekV2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype or torch.float32).eval()

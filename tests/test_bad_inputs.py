@@ -79,7 +79,7 @@ SYNC_FREE_CASES = [
     ("rms_norm", dict(x=x3, weight=torch.randn(16, device="meta")), r"rms_norm: all tensors must be on one device"),
     ("rms_norm", dict(x=x3, weight=torch.randn(16), eps=-1.0), r"rms_norm: eps must be >= 0"),
     ("rope", dict(x=torch.randn(2, 4, 3, 7), cos=cos, sin=sin), r"rope: the rotary dim of x must be even"),
-    ("rope", dict(x=torch.randn(2, 4, 3, 8), cos=cos, sin=sin, layout="neox"), r"rope: layout must be one of"),
+    ("rope", dict(x=torch.randn(2, 4, 3, 8), cos=cos, sin=sin, layout="gptj"), r"rope: layout must be one of"),
     ("rope", dict(x=torch.randn(2, 4, 5, 8), cos=cos, sin=sin), r"rope: cos sequence dim must equal"),
     ("rope", dict(x=torch.randn(3, 4, 3, 8), cos=cos, sin=sin), r"rope: cos batch dim must be 1 or 3"),
     ("rope", dict(x=torch.randn(2, 4, 3, 8), cos=cos, sin=sin[..., :2]), r"rope: cos and sin must have the same"),

@@ -300,7 +300,7 @@ CHECKPOINT_CASES = {
     "wrong-shapes": (lambda d: _rewrite_weights(d, _narrow_kv_b), [],
                      r"1 weight\(s\) have shapes that do not match config.json \(model.layers.0.self_attn.kv_b_proj"),
     "llama-model-type": (lambda d: _edit_config(d, model_type="llama"), [],
-                         "config.json says model_type 'llama', but mla-ops ask runs DeepSeek-V2"),
+                         "config.json says model_type 'llama', but mla-ops ask runs multi-head latent attention"),
     "missing-layer": (lambda d: _rewrite_weights(d, lambda w: {k: v for k, v in w.items() if ".layers.1." not in k}),
                       [], r"the checkpoint lacks \d+ weight\(s\) the model needs \(model.layers.1."),
     "pickle-the-safe-loader-refuses": (_pickle_with_an_object, ["--allow-pickle"],

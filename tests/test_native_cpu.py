@@ -297,6 +297,23 @@ def test_kv_prolog_float64_is_served_by_the_reference(ext):
         _assert_identical(torch.ops.mla.kv_prolog(*args, **kwargs), expected)
 
 
+def test_kv_prolog_with_pair_major_tables_is_served_by_the_reference(ext):
+    """transformers 4.54 - 5.1x hand DeepSeek-V2 a transposed freqs tensor, so cos/sin step through
+    positions faster than through pairs; the stock RoPE's rounding over that layout is ATen's, which the
+    reference kernel shares and the vectorised native formula does not: auto picks the reference."""
+    from mla_ops.ops.kv_prolog import kv_prolog_reference
+
+    args, kwargs = _prolog_case(torch.float32, 2, 9)
+    cos, sin = args[5], args[6]
+    transposed = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (cos, sin)]
+    assert torch.equal(transposed[0], cos) and transposed[0].stride(-1) > transposed[0].stride(-2)
+    args = (*args[:5], *transposed)
+    with mla_ops.use_backend("auto"):
+        text = mla_ops.explain("kv_prolog", *args, **kwargs)
+        assert text.startswith("mla.kv_prolog: reference") and "pair-major" in text, text
+        _assert_identical(torch.ops.mla.kv_prolog(*args, **kwargs), kv_prolog_reference(*args, **kwargs))
+
+
 # ------------------------------------------------------------------------------------- gather / scatter
 
 

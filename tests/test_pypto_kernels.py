@@ -184,7 +184,7 @@ def test_stage2_rejects_unsupported_inputs():
         assert any(needle in r for r in reasons), (needle, reasons)
         with pytest.raises(ValueError, match="kv_prolog_stage2: "):
             s2.kv_prolog_stage2(**inputs, **SMALL)
-    with pytest.raises(ValueError, match="rope_layout must be one of"):
+    with pytest.raises(ValueError, match="rope_layout 'neox': the kernel rotates adjacent pairs"):
         s2.kv_prolog_stage2(**good, **SMALL, rope_layout="neox")
     with pytest.raises(ValueError, match="mode must be one of"):
         s2.kv_prolog_stage2(**good, **SMALL, mode="gpu")

@@ -152,11 +152,24 @@ def _dtype_reasons(activation: Tensor) -> list[str]:
 
 
 def _prolog_reasons(hidden_states, *args, rope_layout: str = "interleaved", **kwargs) -> list[str]:
+    """(kv_prolog and latent_kv_prolog: cos and sin are the last two positional arguments.)"""
     reasons = _dtype_reasons(hidden_states)
+    cos, sin = args[-2], args[-1]
+    if not (_position_major(cos) and _position_major(sin)):
+        # transformers 4.54 - 5.1x build DeepSeek-V2's rotary tables transposed; ATen's complex
+        # multiply over such a layout (the stock model's RoPE, and the reference kernel's) takes a
+        # loop whose rounding the vectorised native formula does not reproduce
+        reasons.append("cos/sin are laid out pair-major (the rotary tables of a transposed freqs tensor); the "
+                       "reference kernel reproduces transformers' rounding for them")
     if rope_layout not in INTERLEAVED_INPUT_LAYOUTS:
         reasons.append(f"rope_layout {rope_layout!r}: the native prolog kernels rotate adjacent pairs "
                        f"({' or '.join(INTERLEAVED_INPUT_LAYOUTS)}); the reference kernel serves it")
     return reasons
+
+
+def _position_major(table: Tensor) -> bool:
+    """Whether a [.., S, R/2] table steps through pairs no slower than through positions."""
+    return table.dim() < 2 or table.shape[-1] <= 1 or table.shape[-2] <= 1 or table.stride(-1) <= table.stride(-2)
 
 
 def _decode_reasons(q_latent, q_pe, key_cache, value_cache, *args, **kwargs) -> list[str]:

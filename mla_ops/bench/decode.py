@@ -22,7 +22,7 @@ import mla_ops  # noqa: F401
 from ..integrations.transformers import apply
 from ..integrations.transformers.paged_attention import absorbed_decode_step
 from ..integrations.transformers.paged_cache import MLAPagedCache, cache_bytes_per_token_per_layer
-from ..models import build_model, lite_attn_config
+from ..models import build_model, family_attn_config, lite_attn_config
 from .timing import interleaved_medians, median_ratio
 
 CONTEXTS = (512, 2048, 4096, 8192)
@@ -52,8 +52,10 @@ def _filled_paged_cache(config, tokens, dtype, generator, block_size):
 
 
 def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, min_run_time=0.3,
-                         block_size=64, seed=0) -> list[dict]:
-    config = lite_attn_config()
+                         block_size=64, seed=0, family: str = "deepseek_v2") -> list[dict]:
+    """Whole-model decode step at each context: stock vs cache="dense" vs cache="paged", for a 2-layer
+    model of `family` (a transformers MLA model_type) with DeepSeek-V2-Lite's attention dims."""
+    config = family_attn_config(family)
     stock = build_model(config, dtype, "sdpa", seed=seed)
     dense, paged = copy.deepcopy(stock), copy.deepcopy(stock)
     handles = [apply(dense), apply(paged, cache="paged")]

@@ -135,6 +135,9 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=int_list, default=[512, 2048, 4096, 8192],
                    help="context lengths (default: 512,2048,4096,8192)")
     p.add_argument("--quick", action="store_true", help="contexts 512,2048 and fewer rounds")
+    p.add_argument("--family", default="deepseek_v2",
+                   help="the transformers MLA model_type to measure (default deepseek_v2; `mla-ops info` lists "
+                        "them): a 2-layer model of that family with DeepSeek-V2-Lite's attention dims")
 
 
 def _run_decode(args, meta: dict) -> dict:
@@ -143,8 +146,10 @@ def _run_decode(args, meta: dict) -> dict:
 
     contexts = [512, 2048] if args.quick else args.contexts
     rounds = 2 if args.quick else 3
-    model_rows = decode.measure_model_decode(contexts, rounds=rounds)
-    print("\nwhole-model decode, ms per token (lite-attn, bf16): stock transformers vs cache=dense vs cache=paged")
+    model_rows = decode.measure_model_decode(contexts, rounds=rounds, family=args.family)
+    meta["family"] = args.family
+    print(f"\nwhole-model decode, ms per token ({args.family}, V2-Lite attention dims, bf16): stock transformers "
+          f"vs cache=dense vs cache=paged")
     print(format_table(model_rows, [("context", "context"), ("variant", "variant"),
                                     ("ms_per_token", "ms/token"), ("stock_over_variant", "stock / this"),
                                     ("cache_bytes_per_token_per_layer", "cache B/token/layer")]))

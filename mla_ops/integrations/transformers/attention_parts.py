@@ -109,9 +109,10 @@ def split_query(attn, hidden_states):
     return torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
 
 
-def query(attn, patch: LayerPatch, hidden_states, rot: Rotary):
+def query(attn, patch: LayerPatch, hidden_states, rot: Rotary, *, rope_op: bool = False):
     """(q_nope [B, N, S, P], q_pe [B, N, S, R] rotated): through mla.q_prolog (q_prolog=True), or the
-    stock projections with q_pe through mla.rope (rope=True) or the family's own RoPE function."""
+    stock projections with q_pe through mla.rope (rope=True, or `rope_op`) or the family's own RoPE
+    function."""
     opts, family = patch.options, patch.family
     if opts.q_prolog:
         lora = getattr(attn, "q_a_proj", None) is not None
@@ -127,7 +128,7 @@ def query(attn, patch: LayerPatch, hidden_states, rot: Rotary):
         q_nope, q_pe = q_nope * attn.mla_scale_q_lora, q_pe * attn.mla_scale_q_lora
     if rot.layout is None:
         return q_nope, q_pe
-    if opts.rope:
+    if opts.rope or rope_op:
         return q_nope, torch.ops.mla.rope(q_pe, rot.cos, rot.sin, layout=rot.layout)
     stock = getattr(family.modeling, STOCK_ROPE_FUNCTION[rot.layout])
     stock_args = (rot.stock,) if rot.layout == "interleaved" else rot.stock

@@ -129,7 +129,7 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
     layer = cache.layers[attn.layer_idx]
     torch.ops.mla.scatter_pa_kv_cache(latent.reshape(batch * seq, 1, -1), k_pe.reshape(batch * seq, 1, -1),
                                       layer.latent_pool, layer.k_pe_pool, plan.slot_mapping)
-    q_nope, q_pe = query(attn, patch, hidden_states, rot)
+    q_nope, q_pe = query(attn, patch, hidden_states, rot, rope_op=True)  # the paged path runs on the ops
     if patch.family.query_position_scale:
         q_nope = scale_query(attn, patch, q_nope, inputs.position_ids)
         q_pe = scale_query(attn, patch, q_pe, inputs.position_ids)
