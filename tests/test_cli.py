@@ -245,12 +245,22 @@ def test_bench_ops_and_decode_quick(tmp_path, capsys):
     decode = json.loads((tmp_path / "decode.json").read_text())
     paged = [r for r in decode["model_decode"] if r["variant"] == "paged"]
     assert paged and all(r["cache_bytes_per_token_per_layer"] < 2 * 1152 for r in paged)
+    # another MLA family, the same measurement
+    assert main(["bench", "decode", "--contexts", "64", "--family", "minicpm3",
+                 "--json", str(tmp_path / "m.json")]) == 0
+    minicpm3 = json.loads((tmp_path / "m.json").read_text())
+    assert minicpm3["meta"]["family"] == "minicpm3"
+    assert {r["variant"] for r in minicpm3["model_decode"]} == {"stock", "dense", "paged"}
 
 
 def test_info(capsys):
     assert main(["info"]) == 0
     text = capsys.readouterr().out
     assert "reference" in text and "pypto_sim" in text and "npu" in text
+    # the MLA families of the installed transformers, read off their classes
+    assert "transformers MLA families" in text
+    assert "DeepseekV3Attention" in text and "supported" in text
+    assert "DeepseekV32Attention" in text and "refused: sparse attention" in text
 
 
 # ------------------------------------------------------------------ inputs refused in one line

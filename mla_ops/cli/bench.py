@@ -154,7 +154,7 @@ def _run_decode(args, meta: dict) -> dict:
                                     ("ms_per_token", "ms/token"), ("stock_over_variant", "stock / this"),
                                     ("cache_bytes_per_token_per_layer", "cache B/token/layer")]))
     attention = decode.measure_attention_step(contexts, rounds=rounds + 2)
-    print("\nattention decode step alone, one layer")
+    print("\nattention decode step alone, one layer (V2-Lite dims: the same arithmetic in every MLA family)")
     print(format_table(attention, [("context", "context"), ("stock_ms", "stock ms"),
                                    ("absorbed_ms", "absorbed ms"), ("stock_over_absorbed", "stock / absorbed")]))
     meta.update(decode.environment())
