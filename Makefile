@@ -77,4 +77,4 @@ COMPAT_STAMPS := $(foreach v,$(COMPAT_TRANSFORMERS),.venv-tf$(v)/.mla-ops-instal
 test-compat: $(COMPAT_STAMPS)
 	.venv-tf4.45/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch_remote.py
 	.venv-tf4.54/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch.py
-	.venv-tf5.10/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch.py
+	.venv-tf5.10/bin/python -m pytest -n 2 -p no:cacheprovider tests/test_model_patch.py tests/test_paged_model.py

@@ -272,9 +272,9 @@ def test_top_level_shortcut():
 @pytest.mark.skipif(patch.releases.current_release().paged, reason="this transformers serves cache='paged' "
                     "(tests/test_paged_model.py)")
 def test_paged_mode_is_refused_where_the_cache_api_differs():
-    """Before 5.24 generate hands the model `past_key_values` and Cache has another API: a paged
-    patch there would decode against a fresh stock cache, so it is refused, before anything changes."""
+    """Before 5.4 Cache has another API (a `cache_kwargs` dict, masks sized from a cache_position
+    tensor) than the one MLAPagedCache implements: refused, before anything changes."""
     model = build_model(tiny_config(), torch.float32, "sdpa")
-    with pytest.raises(NotImplementedError, match=r"cache='paged' needs transformers >= 5\.24\.0 .* Use cache='dense'"):
+    with pytest.raises(NotImplementedError, match=r"cache='paged' needs transformers >= 5\.4\.0 .* Use cache='dense'"):
         patch.apply(model, cache="paged")
     assert not patch.active_patches() and all("forward" not in m.__dict__ for m in model.modules())

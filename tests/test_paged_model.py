@@ -11,9 +11,13 @@ from models import build_model, lite_attn_config, tiny_config
 from utils import MlaCalls, random_prompt
 
 # whole models, generate and compile: `make test-fast` leaves these to `make test`
-pytestmark = pytest.mark.slow
 
 CONFIGS = {"tiny": tiny_config, "lite-attn": lite_attn_config}
+# How a cache is handed to the model and to generate on the installed transformers (`cache` from 5.24)
+CACHE = patch.releases.current_release().model_cache_keyword
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not patch.releases.current_release().paged,
+                                reason=f"cache='paged' needs transformers >= {patch.releases.PAGED_SINCE} "
+                                       f"(tests/test_model_patch.py checks it is refused before)")]
 STOCK_MODEL_FORWARD = hf.DeepseekV2Model.forward
 
 
@@ -47,7 +51,7 @@ def _teacher_forced_logits(model, tokens, prompt_len):
     out = model(tokens[:, :prompt_len], use_cache=True)
     cache, logits = out.past_key_values, [out.logits[:, -1]]
     for t in range(prompt_len, tokens.shape[1]):
-        out = model(tokens[:, t:t + 1], cache=cache, use_cache=True)
+        out = model(tokens[:, t:t + 1], **{CACHE: cache}, use_cache=True)
         logits.append(out.logits[:, -1])
     return logits
 
@@ -109,13 +113,13 @@ def test_prompt_continued_in_two_generate_calls():
         with patch.apply(model, cache="paged"):
             one = model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12)
             first = model.generate(ids, **_greedy(max_new_tokens=5, min_new_tokens=5))
-            second = model.generate(first.sequences, cache=first.past_key_values, do_sample=False,
+            second = model.generate(first.sequences, **{CACHE: first.past_key_values}, do_sample=False,
                                     max_new_tokens=7, min_new_tokens=7)
             assert torch.equal(second, one)
             first = model.generate(ids, **_greedy(max_new_tokens=5, min_new_tokens=5))
             text = torch.cat((first.sequences, turn), dim=1)
             with MlaCalls() as calls:
-                continued = model.generate(text, cache=first.past_key_values, do_sample=False, max_new_tokens=6,
+                continued = model.generate(text, **{CACHE: first.past_key_values}, do_sample=False, max_new_tokens=6,
                                            min_new_tokens=6)
             assert calls.counts["gather_pa_kv_cache"] == config.num_hidden_layers  # one prefix prefill
         expected = model.generate(text, do_sample=False, max_new_tokens=6, min_new_tokens=6)
@@ -144,7 +148,7 @@ def test_dynamic_pool_grows_block_by_block():
         expected = model.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
         with patch.apply(model, cache="paged"):
             cache = MLAPagedCache(config, block_size=4)  # no size hint: one block per row to start with
-            got = model.generate(ids, cache=cache, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+            got = model.generate(ids, **{CACHE: cache}, do_sample=False, max_new_tokens=20, min_new_tokens=20)
     assert torch.equal(got, expected)
     assert cache.layers[0].latent_pool.shape[0] >= 6 and len(cache._blocks_host[0]) == 6  # 24 tokens / 4
 
@@ -172,7 +176,7 @@ def test_beam_search_and_other_caches():
             model.generate(ids, num_beams=2, max_new_tokens=3)
         # a cache passed in explicitly is respected (served by the dense path)
         dynamic = DynamicCache(config=config)
-        out = model.generate(ids, cache=dynamic, do_sample=False, max_new_tokens=4, return_dict_in_generate=True)
+        out = model.generate(ids, **{CACHE: dynamic}, do_sample=False, max_new_tokens=4, return_dict_in_generate=True)
         assert out.past_key_values is dynamic
         assert dynamic.layers[0].keys.shape[-1] == config.qk_nope_head_dim + config.qk_rope_head_dim
     with torch.no_grad():
@@ -186,13 +190,13 @@ def test_static_cache_decode_compiles_fullgraph_and_matches_eager():
 
     def greedy(forward, cache, steps=6):
         pos = torch.arange(ids.shape[1])
-        logits = forward(ids, cache=cache, position_ids=pos[None], use_cache=True).logits
+        logits = forward(ids, **{CACHE: cache}, position_ids=pos[None], use_cache=True).logits
         out = []
         for _ in range(steps):
             nxt = logits[:, -1:].argmax(-1)
             out.append(nxt)
             pos = pos[-1:] + 1
-            logits = forward(nxt, cache=cache, position_ids=pos[None], use_cache=True).logits
+            logits = forward(nxt, **{CACHE: cache}, position_ids=pos[None], use_cache=True).logits
         return torch.cat(out, 1)
 
     def static_cache():
@@ -209,8 +213,8 @@ def test_static_cache_decode_compiles_fullgraph_and_matches_eager():
         torch._dynamo.reset()
         compiled = greedy(torch.compile(model, backend=capture, fullgraph=True), static_cache())
         decode_cache = static_cache()
-        model(ids, cache=decode_cache, position_ids=torch.arange(8)[None], use_cache=True)
-        explanation = torch._dynamo.explain(model)(ids[:, :1], cache=decode_cache,
+        model(ids, **{CACHE: decode_cache}, position_ids=torch.arange(8)[None], use_cache=True)
+        explanation = torch._dynamo.explain(model)(ids[:, :1], **{CACHE: decode_cache},
                                                    position_ids=torch.tensor([[8]]), use_cache=True)
         compile_config = CompileConfig(fullgraph=True, dynamic=False)
         compile_config._compile_all_devices = True
@@ -246,7 +250,7 @@ def test_static_cache_overflow_is_a_clear_error():
     with torch.no_grad(), patch.apply(model, cache="paged"):
         cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=8, block_size=4)
         with pytest.raises(ValueError, match=r"holds 8 tokens per row \(max_cache_len=8\); this forward needs 10"):
-            model(random_prompt(config, length=10), cache=cache, use_cache=True)
+            model(random_prompt(config, length=10), **{CACHE: cache}, use_cache=True)
 
 
 def test_dynamic_cache_under_compile_is_a_clear_error():
@@ -273,7 +277,7 @@ def test_chunked_prefill_equals_stock_on_the_whole_text(static):
         with patch.apply(model, cache="paged"):
             cache = (MLAPagedCache(config, static=True, batch_size=1, max_cache_len=32, block_size=4) if static
                      else MLAPagedCache(config, block_size=4))
-            got = [model(ids[:, a:b], cache=cache, position_ids=torch.arange(a, b)[None], use_cache=True).logits
+            got = [model(ids[:, a:b], **{CACHE: cache}, position_ids=torch.arange(a, b)[None], use_cache=True).logits
                    for a, b in chunks]
     assert int(cache.seq_lens[0]) == 23
     torch.testing.assert_close(torch.cat(got, 1), expected, rtol=0, atol=2e-5)
@@ -393,7 +397,7 @@ def test_crop_then_continue_equals_stock():
             cache.crop(-7)  # 8 tokens left: exactly two blocks of 4
             assert cache.seq_lens.tolist() == [8] and len(cache._blocks_host[0]) == -(-8 // cache.block_size)
             text = out.sequences[:, :9]
-            got = model.generate(text, cache=cache, **gen)
+            got = model.generate(text, **{CACHE: cache}, **gen)
         expected = model.generate(text, **gen)
     assert torch.equal(got, expected)
 
@@ -473,7 +477,7 @@ def test_copies_and_saves_of_an_instance_patched_model_are_stock_and_patchable(c
     handle = patch.apply(model, cache=cache)
     with torch.no_grad():  # a paged prefill and a decode step: the absorbed copies exist
         out = model(ids, use_cache=True)
-        model(ids[:, -1:], cache=out.past_key_values, use_cache=True)
+        model(ids[:, -1:], **{CACHE: out.past_key_values}, use_cache=True)
     clone = copy_fn(model)
     _assert_plain_stock(clone, ids, expected)
     with patch.apply(clone, cache=cache), torch.no_grad(), MlaCalls() as calls:
@@ -502,7 +506,7 @@ def test_copies_of_a_class_patched_model_follow_the_class(cache, copy_fn):
         model.load_state_dict(stock.state_dict())
         with torch.no_grad():
             out = model(ids, use_cache=True)
-            model(ids[:, -1:], cache=out.past_key_values, use_cache=True)
+            model(ids[:, -1:], **{CACHE: out.past_key_values}, use_cache=True)
         clone = copy_fn(model)
         assert not any("_mla_ops_absorbed" in m.__dict__ for m in clone.modules())
         with torch.no_grad(), MlaCalls() as calls:

@@ -41,14 +41,16 @@ def _instance_wants_dense(decoder) -> bool:
     return False
 
 
-def _model_forward_with_paged_cache(original_forward):
-    """Wrap DeepseekV2Model.forward: create an MLAPagedCache when the model would create a cache,
-    and plan each forward's slots once before the layers run."""
+def _model_forward_with_paged_cache(original_forward, keyword: str):
+    """Wrap an MLA decoder model's forward: create an MLAPagedCache when the model would create a
+    cache, and plan each forward's slots once before the layers run. `keyword`: the stock forward's
+    cache keyword (`cache`, or `past_key_values` before transformers 5.24)."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, **kwargs):
-        if cache is None:
-            cache = kwargs.pop("past_key_values", None)
+        for name in ("past_key_values", "cache"):  # either keyword, whichever release the caller writes for
+            passed = kwargs.pop(name, None)
+            cache = passed if cache is None else cache
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if use_cache and cache is None and not torch.is_grad_enabled() and not _instance_wants_dense(self):
             # With gradients (training), the model's own cache and the dense path serve: the paged
@@ -60,8 +62,8 @@ def _model_forward_with_paged_cache(original_forward):
                                 tokens.device)
         try:
             return original_forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
-                                    use_cache=use_cache, **kwargs)
+                                    position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                    **{keyword: cache}, **kwargs)
         finally:
             if isinstance(cache, MLAPagedCache):
                 cache.end_forward()
@@ -71,22 +73,26 @@ def _model_forward_with_paged_cache(original_forward):
     return forward
 
 
-def _prepare_cache_with_paged(original):
+def _prepare_cache_with_paged(original, keyword: str):
     """Wrap GenerationMixin._prepare_cache_for_generation: the cache generate makes becomes an
-    MLAPagedCache (static when cache_implementation='static'); a user-passed cache is respected."""
+    MLAPagedCache (static when cache_implementation='static'); a user-passed cache is respected.
+    `keyword`: generate's model_kwargs key for the cache (`cache`, `past_key_values` before 5.24)."""
 
     def prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        passed = model_kwargs.get(keyword)  # a cache the caller handed generate
         result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-        made = model_kwargs.get("cache")
-        if made is None or getattr(made, "_is_user_defined", False) or isinstance(made, MLAPagedCache):
+        made = model_kwargs.get(keyword)
+        if (made is None or made is passed or getattr(made, "_is_user_defined", False)
+                or isinstance(made, MLAPagedCache)):
             return result
         if _instance_wants_dense(getattr(self, "model", None)):  # a class-level hook, a dense instance patch
             return result
         if generation_config.num_beams > 1:
             unsupported("beam search (num_beams > 1)")
         static = generation_config.cache_implementation == "static"
-        if static and generation_config.max_cache_len is not None:  # as transformers sizes StaticCache
-            max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+        requested = getattr(generation_config, "max_cache_len", None)  # (a generation option from 5.13)
+        if static and requested is not None:  # as transformers sizes StaticCache
+            max_cache_length = max(max_cache_length, requested)
         config = self.config.get_text_config(decoder=True)
         # generate expands the batch by num_return_sequences before the first forward (as transformers
         # sizes its own caches)
@@ -95,7 +101,7 @@ def _prepare_cache_with_paged(original):
         track_absorbed_owners(m for m in self.modules() if hasattr(m, "kv_b_proj"))
         decoder = getattr(self, "model", None)
         layers = paged_layer_count(decoder) if decoder is not None else None
-        model_kwargs["cache"] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
+        model_kwargs[keyword] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
                                               static=static, dtype=self.dtype, device=self.device, num_layers=layers)
         return result
 
@@ -103,25 +109,26 @@ def _prepare_cache_with_paged(original):
     return prepare
 
 
-def install_cache_factory(decoder, causal_lm, handle) -> None:
+def install_cache_factory(decoder, causal_lm, handle, keyword: str) -> None:
     """Hook cache creation on a decoder and its causal LM, instances (or classes, for a class-level
     patch): model(use_cache=True) and generate() then build MLAPagedCache; reverting the handle frees
-    the absorbed W_UK / W_UV copies the decode path made."""
+    the absorbed W_UK / W_UV copies the decode path made. `keyword`: the release's cache keyword
+    (`Release.model_cache_keyword`)."""
     decoder_class = decoder if isinstance(decoder, type) else type(decoder)
     # Always wrap the stock functions, so applying twice never stacks two wrappers.
     stock_forward = stock_attr(decoder_class, "forward")
     if isinstance(decoder, type):  # class level
-        handle.set(decoder, "forward", _model_forward_with_paged_cache(stock_forward))
+        handle.set(decoder, "forward", _model_forward_with_paged_cache(stock_forward, keyword))
         if causal_lm is not None:
             stock_prepare = stock_attr(causal_lm, "_prepare_cache_for_generation")
-            handle.set(causal_lm, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare))
+            handle.set(causal_lm, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare, keyword))
         handle.on_revert(drop_absorbed_weights)
         return
     target_ref = weakref.ref(causal_lm)  # the callback must not keep the model alive
     handle.on_revert(lambda: drop_absorbed_weights(target_ref().modules() if target_ref() is not None else ()))
-    bound = _model_forward_with_paged_cache(stock_forward)
+    bound = _model_forward_with_paged_cache(stock_forward, keyword)
     handle.set(decoder, "forward", types.MethodType(bound, decoder), in_dict=True)
     if hasattr(causal_lm, "_prepare_cache_for_generation") and causal_lm is not decoder:
         stock_prepare = stock_attr(type(causal_lm), "_prepare_cache_for_generation")
-        wrapped = _prepare_cache_with_paged(stock_prepare)
+        wrapped = _prepare_cache_with_paged(stock_prepare, keyword)
         handle.set(causal_lm, "_prepare_cache_for_generation", types.MethodType(wrapped, causal_lm), in_dict=True)

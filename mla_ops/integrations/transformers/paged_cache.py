@@ -98,6 +98,9 @@ class MLAPagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self._cache.max_cache_len if self._cache.static else -1
 
+    def get_max_cache_shape(self) -> int:  # the name of get_max_length before transformers 5.13
+        return self.get_max_length()
+
     def reset(self) -> None:
         self._cache.reset()
 
@@ -153,6 +156,9 @@ class MLAPagedCache(Cache):
     """
 
     holds_mla_latent_pages = True  # how the patched attention recognises it (without importing this module)
+    # plain attributes here: before transformers 5.20 the base class has read-only properties of these names
+    max_cache_len: Optional[int] = None
+    max_batch_size: Optional[int] = None
 
     def __init__(self, config, *, block_size: int = DEFAULT_BLOCK_SIZE, batch_size: Optional[int] = None,
                  max_cache_len: Optional[int] = None, static: bool = False, dtype: Optional[torch.dtype] = None,

@@ -235,8 +235,9 @@ def _patch(handle: PatchHandle, model, targets: _Targets, options: PatchOptions)
     if targets.decoders:
         from . import generation  # (the paged cache needs transformers' Cache API: imported when used)
 
+        keyword = current_release().model_cache_keyword
         for decoder, causal_lm in targets.decoders:
-            generation.install_cache_factory(decoder, causal_lm, handle)
+            generation.install_cache_factory(decoder, causal_lm, handle, keyword)
     # (a dense instance patch needs no hook of its own: a class-level paged hook defers to its options)
 
 

@@ -51,20 +51,24 @@ class Release:
     first: str  # the first release of the range
     attention_function: Callable  # (modeling module, implementation name) -> attention function
     update_cache: Callable  # (cache, key, value, layer_idx, cache_position, extra kwargs) -> (key, value)
-    paged: bool  # MLAPagedCache works: the Cache API it implements, generate's `cache` model kwarg
+    paged: bool  # MLAPagedCache works: the Cache API it implements (update(*args, **kwargs), 5.4+)
+    model_cache_keyword: str  # the decoder model's cache keyword, and generate's model_kwargs key
 
 
 # Newest first; a release belongs to the first entry it is not older than.
-#  5.24: the attention forward takes `cache=`, generate hands the model `model_kwargs["cache"]`,
-#        `Cache.max_cache_len` is a plain attribute (a read-only property before 5.20).
-#  5.4:  Cache.update(key, value, layer_idx, *args, **kwargs); before, a `cache_kwargs` dict.
+#  5.24: the forwards take `cache=` (was `past_key_values=`), and generate hands the model
+#        `model_kwargs["cache"]`.
+#  5.4:  Cache.update(key, value, layer_idx, *args, **kwargs) and get_mask_sizes(query_length): the
+#        API MLAPagedCache implements; before, a `cache_kwargs` dict and a cache_position tensor.
 #  5.1:  ALL_ATTENTION_FUNCTIONS.get_interface(name, default).
 #  4.54: the first native DeepSeek-V2 (forward keyword `past_key_value`; `past_key_values` from 4.56).
 RELEASES = (
-    Release("5.24.0", _lookup_get_interface, _update_with_kwargs, paged=True),
-    Release("5.4.0", _lookup_get_interface, _update_with_kwargs, paged=False),
-    Release("5.1.0", _lookup_get_interface, _update_with_cache_position, paged=False),
-    Release(FIRST_NATIVE, _lookup_by_key, _update_with_cache_position, paged=False),
+    Release("5.24.0", _lookup_get_interface, _update_with_kwargs, paged=True, model_cache_keyword="cache"),
+    Release("5.4.0", _lookup_get_interface, _update_with_kwargs, paged=True, model_cache_keyword="past_key_values"),
+    Release("5.1.0", _lookup_get_interface, _update_with_cache_position, paged=False,
+            model_cache_keyword="past_key_values"),
+    Release(FIRST_NATIVE, _lookup_by_key, _update_with_cache_position, paged=False,
+            model_cache_keyword="past_key_values"),
 )
 PAGED_SINCE = next(r.first for r in reversed(RELEASES) if r.paged)
 
@@ -103,8 +107,8 @@ def check_transformers_version() -> str:
 def check_paged_supported(release: Release) -> None:
     if not release.paged:
         raise NotImplementedError(
-            f"cache='paged' needs transformers >= {PAGED_SINCE} (the Cache and generate API MLAPagedCache "
-            f"implements); found {installed_version()}. Use cache='dense' (served on transformers >= {FIRST_NATIVE}), "
+            f"cache='paged' needs transformers >= {PAGED_SINCE} (the Cache API MLAPagedCache implements); "
+            f"found {installed_version()}. Use cache='dense' (served on transformers >= {FIRST_NATIVE}), "
             f"or upgrade transformers")
 
 
