@@ -182,6 +182,11 @@ def is_mla_attention(module: torch.nn.Module) -> bool:
     return cls.__module__.startswith("transformers.models.") and builds_mla_modules(cls)
 
 
+def is_rms_norm_class(cls: type) -> bool:
+    """Whether cls.forward computes only what mla.rms_norm does (read from its code)."""
+    return not (_forward_names(cls) - RMS_NORM_NAMES)
+
+
 def norm_refusal(norm: torch.nn.Module) -> Optional[str]:
     """Why `kv_a_layernorm` is not the RMSNorm mla.kv_prolog computes (None when it is)."""
     if not hasattr(norm, "variance_epsilon") or not isinstance(getattr(norm, "weight", None), torch.Tensor):

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from .attention_parts import PATCH_ATTRIBUTE, LayerPatch
-from .families import MlaFamily, describe, families_of, is_mla_attention, norm_refusal
+from .families import MlaFamily, describe, families_of, is_mla_attention, is_rms_norm_class, norm_refusal
 from .forwards import mla_attention_forward, rms_norm_forward
 from .paged_attention import ABSORBED_ATTRIBUTE
 from .patching import PatchHandle, open_handle
@@ -140,7 +140,7 @@ def _class_targets(model_type: str, options: PatchOptions) -> _Targets:
         if options.kv_prolog or options.rope or options.q_prolog else []
     norms = [cls for name, cls in vars(modeling).items()
              if options.rms_norm and isinstance(cls, type) and name.endswith("RMSNorm")
-             and cls.__module__ == modeling.__name__ and "forward" in vars(cls)]
+             and cls.__module__ == modeling.__name__ and "forward" in vars(cls) and is_rms_norm_class(cls)]
     decoders = []
     if options.cache == "paged":
         model_class, causal_class = found[0].model_classes()
@@ -179,20 +179,20 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
                 native, release = True, current_release()
                 if options.cache == "paged":
                     check_paged_supported(release)
-            family = describe(type(module))
-            layer = _attention_patch(family, options, release)
-            refusal = norm_refusal(module.kv_a_layernorm)
-            if refusal and options.kv_prolog:
-                raise NotImplementedError(f"{family.name} cannot be patched: {refusal}")
             found_attention = True
             if patch_attention:
+                family = describe(type(module))
+                layer = _attention_patch(family, options, release)
+                refusal = norm_refusal(module.kv_a_layernorm)
+                if refusal and options.kv_prolog:
+                    raise NotImplementedError(f"{family.name} cannot be patched: {refusal}")
                 attention.append((module, layer))
     if not found_attention:
         raise ValueError(f"no multi-head latent attention found in {type(model).__name__}: expected a transformers "
                          f"MLA model (DeepSeek-V2/V3 and the families `mla-ops info` lists) or the hub remote code "
                          f"of DeepSeek-V2 (modeling_deepseek.py)")
-    attention_modules = {type(m).__module__ for m, _ in attention} | {
-        type(m).__module__ for m in model.modules() if is_remote_attention(m) or is_mla_attention(m)}
+    # RMSNorms of the modeling modules that define the model's MLA attention (the norms the ops compute)
+    attention_modules = {type(m).__module__ for m in model.modules() if is_remote_attention(m) or is_mla_attention(m)}
     norms = [m for m in model.modules()
              if options.rms_norm and type(m).__name__.endswith("RMSNorm") and type(m).__module__ in attention_modules
              and norm_refusal(m) is None]
