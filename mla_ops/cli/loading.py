@@ -78,18 +78,26 @@ def builtin_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sdpa
     return model, tokenizer
 
 
+def is_supported_model_type(model_type) -> bool:
+    """Whether `ask --model-path` runs a checkpoint of `model_type` (imports that family's module only)."""
+    from ..integrations.transformers import families
+
+    if model_type in DEEPSEEK_V2_TYPES:
+        return True
+    if not isinstance(model_type, str) or model_type not in families.installed_mla_model_types():
+        return False
+    try:
+        return all(f.refused is None for f in families.families_of(model_type))
+    except Exception:  # a modeling module that does not import here (a missing optional package)
+        return False
+
+
 def supported_model_types() -> tuple[str, ...]:
     """model_type values `ask --model-path` runs: DeepSeek-V2 (native or hub remote code) and every MLA
     family of the installed transformers that the patch supports (read off the classes)."""
     from ..integrations.transformers import families
 
-    found = []
-    for model_type in families.installed_mla_model_types():
-        try:
-            if all(f.refused is None for f in families.families_of(model_type)):
-                found.append(model_type)
-        except Exception:  # a modeling module that does not import here (a missing optional package)
-            continue
+    found = [t for t in families.installed_mla_model_types() if is_supported_model_type(t)]
     return tuple(dict.fromkeys(DEEPSEEK_V2_TYPES + tuple(found)))
 
 
@@ -110,8 +118,8 @@ def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool) -> dict:
         raise CliError(f"--model-path {path}: config.json must be a JSON object (a model config), got a JSON "
                        f"{type(config).__name__}; use the checkpoint's own config.json")
     model_type = config.get("model_type")
-    supported = supported_model_types()
-    if model_type not in supported:
+    if not is_supported_model_type(model_type):
+        supported = supported_model_types()
         raise CliError(f"--model-path {path}: config.json says model_type {model_type!r}, but mla-ops ask runs "
                        f"multi-head latent attention checkpoints the patch supports (model_type one of "
                        f"{', '.join(supported)}); point --model-path at one")
