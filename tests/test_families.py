@@ -70,6 +70,19 @@ def test_family_is_recognised_by_structure(family):
             assert fam.refused is None, (fam.name, fam.refused)
 
 
+def test_a_rope_function_is_checked_by_what_it_computes_not_its_name():
+    """HY-V4-VL names its RoPE `apply_rotary_pos_emb` like the rotate_half families, but rotates
+    interleaved pairs in place: running it tells them apart (MiniCPM3's is the neox rotation)."""
+    import importlib
+
+    if "hy_v4_vl" not in INSTALLED:
+        pytest.skip("this transformers has no hy_v4_vl")
+    other = importlib.import_module("transformers.models.hy_v4_vl.modeling_hy_v4_vl")
+    neox = importlib.import_module("transformers.models.minicpm3.modeling_minicpm3")
+    assert "does not compute the neox rotation" in families.rope_function_refusal(other, ["apply_rotary_pos_emb"])
+    assert families.rope_function_refusal(neox, ["apply_rotary_pos_emb"]) is None
+
+
 @pytest.mark.parametrize("family", sorted(SPARSE & set(INSTALLED)))
 def test_sparse_attention_families_are_refused_with_the_reason(family):
     model = _model(family, attn="eager")

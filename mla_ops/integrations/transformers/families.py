@@ -11,27 +11,21 @@ attention the patch can serve when
   reproduces: the DeepSeek-V3 forward's own vocabulary plus the per-family features below.
 
 A forward that uses any other name does something the patch does not reproduce, and is refused
-with those names in the reason (a sparse-attention `indexer` gets its own reason). The features:
+with those names in the reason (a sparse-attention `indexer` gets its own reason). The features,
+each marked by one name the forward uses:
 
-==========================  =========================================  ==============================
-forward uses                meaning                                    the patch
-==========================  =========================================  ==============================
-apply_rotary_emb            complex-pair RoPE (DeepSeek-V2)            rope_layout "interleaved"
-apply_rotary_pos_emb_inter  interleaved pairs, written de-interleaved  rope_layout "half"
-leave                       (DeepSeek-V3, rope_interleave=True)
-apply_rotary_pos_emb        rotate_half pairs (x[i], x[i+D/2])          rope_layout "neox"
-both + rope_interleave      the config's `rope_interleave` chooses     per model
-no RoPE function            NoPE (Kimi-Linear): the rope dims pass     identity tables
-                            through unrotated
-mla_scale_q_lora/_kv_lora   LongCat's LoRA scales on q and the latent  applied where stock does
-g_proj                      per-head sigmoid output gate (Bailing)      applied before o_proj
-get_llama_4_attn_scale      Llama-4 position-dependent query scale     applied to the query
-                            (Mistral-4)
-expand_kv                   the stock cache holds the latent            (the stock KV path, rope=True
-                            (transformers >= 5.15)                      with kv_prolog=False)
-F.pad                       V padded to the qk head dim for flash       padded the same way
-                            attention (DeepSeek-V2 4.54 - 5.23)
-==========================  =========================================  ==============================
+* `apply_rotary_emb`: complex-pair RoPE (DeepSeek-V2) -> rope_layout "interleaved";
+* `apply_rotary_pos_emb_interleave`: interleaved pairs written de-interleaved (DeepSeek-V3 with
+  rope_interleave=True) -> "half";
+* `apply_rotary_pos_emb`: rotate_half pairs (x[i], x[i+D/2]) -> "neox";
+* both of the last two and `rope_interleave`: the config chooses, per model;
+* no RoPE function: NoPE (Kimi-Linear), the rope dims pass through (identity tables);
+* `mla_scale_q_lora` / `mla_scale_kv_lora`: LongCat's scales on q and the latent, applied where stock does;
+* `g_proj`: Bailing's per-head sigmoid output gate, applied before o_proj;
+* `get_llama_4_attn_scale`: Mistral-4's position-dependent query scale;
+* `expand_kv`: the stock cache holds the latent (transformers >= 5.15; matters for rope=True with
+  kv_prolog=False, which keeps the stock KV path);
+* `pad`: DeepSeek-V2 of 4.54 - 5.23 pads V to the qk head dim for flash attention; padded the same way.
 """
 from __future__ import annotations
 
@@ -53,8 +47,7 @@ BASE_FORWARD_NAMES = frozenset({
     "kv_lora_rank", "layer_idx", "o_proj", "q_a_layernorm", "q_a_proj", "q_b_proj", "q_lora_rank", "q_proj",
     "qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "reshape", "scaling", "shape", "split",
     "torch", "training", "transpose", "update", "view", "expand", "device", "to",
-    # DeepSeek-V2 before 5.x: a deprecation warning for `padding_mask`, value padding for flash-attention
-    "warnings", "warn", "F", "pad",
+    "warnings", "warn",  # DeepSeek-V2 before 5.x: a deprecation warning for `padding_mask`
 })
 ROPE_FUNCTIONS = {  # the stock function -> the layout mla.rope / mla.kv_prolog reproduce it with
     "apply_rotary_emb": "interleaved",
@@ -111,17 +104,16 @@ class MlaFamily:
         return None if self.rope == "none" else self.rope
 
     def model_classes(self) -> tuple[Optional[type], Optional[type]]:
-        """(the decoder `*Model`, the `*ForCausalLM`) of this family's modeling module."""
+        """(the decoder `*Model`, the `*ForCausalLM`) of this family's modeling module, for a class-level
+        paged patch (an instance patch finds the decoder in the model itself)."""
         from transformers import PreTrainedModel
 
-        found = {"Model": None, "ForCausalLM": None}
-        for name, obj in vars(self.modeling).items():
-            if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == self.modeling.__name__:
-                for suffix in found:
-                    if name.endswith(suffix) and not name.endswith("PreTrainedModel") and (
-                            suffix != "Model" or not name.endswith("ForCausalLM")):
-                        found[suffix] = found[suffix] or obj
-        return found["Model"], found["ForCausalLM"]
+        classes = [obj for obj in vars(self.modeling).values() if isinstance(obj, type)
+                   and obj.__module__ == self.modeling.__name__ and issubclass(obj, PreTrainedModel)]
+        decoder = next((c for c in classes if c.__name__.endswith("Model")
+                        and not c.__name__.endswith("PreTrainedModel")), None)
+        causal_lm = next((c for c in classes if c.__name__.endswith("ForCausalLM")), None)
+        return decoder, causal_lm
 
 
 def _forward_names(cls: type) -> frozenset:
@@ -169,11 +161,39 @@ def describe(cls: type) -> MlaFamily:
     else:
         rope, refused = "config", refused or f"its forward chooses between {rope_functions} by a rule the patch " \
                                              f"does not know"
+    if refused is None:
+        refused = rope_function_refusal(sys.modules[module], rope_functions)
     return MlaFamily(attention=cls, model_type=model_type, rope=rope, parameters=parameters,
                      lora_scales=features["lora_scales"], output_gate=features["output_gate"],
                      query_position_scale=features["query_position_scale"],
                      latent_stock_cache=features["latent_stock_cache"],
                      flash_value_padding=features["flash_value_padding"], refused=refused)
+
+
+def rope_function_refusal(modeling, names) -> Optional[str]:
+    """Run each RoPE function the forward names on a small random input and check it rotates the way
+    its layout says (a family could reuse a name for another rotation); None when all do."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, seq, rope_dim = 2, 2, 5, 16
+    x = torch.randn(batch, heads, seq, rope_dim, generator=generator)
+    angles = torch.randn(batch, seq, rope_dim // 2, generator=generator)
+    cos, sin = angles.cos(), angles.sin()
+    for name in names:
+        function, layout = getattr(modeling, name, None), ROPE_FUNCTIONS[name]
+        if function is None:
+            return f"its forward calls {name}, which its module does not define"
+        with torch.no_grad():
+            try:
+                if layout == "interleaved":
+                    got = function(x, x[:, :1], torch.polar(torch.ones_like(angles), angles))[0]
+                else:
+                    got = function(x, x[:, :1], torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))[0]
+            except Exception as exc:  # another signature: not the function the layout stands for
+                return f"its {name} does not take the arguments of the {layout} RoPE ({type(exc).__name__})"
+            expected = torch.ops.mla.rope(x, cos, sin, layout=layout)
+        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=0, atol=1e-5):
+            return f"its {name} does not compute the {layout} rotation the patch reproduces"
+    return None
 
 
 def is_mla_attention(module: torch.nn.Module) -> bool:
