@@ -157,6 +157,31 @@ def test_rope_and_rms_norm_options_route_their_ops(dtype_name):
     assert torch.equal(got_stock_kv, expected) and torch.equal(got_all, expected)
 
 
+def test_fullgraph_compile_of_the_prefill_has_the_ops_as_nodes():
+    """On every release (the static-cache decode compile below needs transformers 5): the patched
+    forward traces with no graph break and calls the ops as single nodes; compiled == eager."""
+    # dense MLPs only: transformers 4.x's DeepSeek-V2 MoE loops over a data-dependent expert count
+    config = tiny_config()
+    config.first_k_dense_replace = config.num_hidden_layers
+    model = build_model(config, torch.float32, "sdpa")
+    ids = random_prompt(model.config, length=9)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad(), patch.apply(model, rope=True, rms_norm=True):
+        torch._dynamo.reset()
+        eager = model(ids, use_cache=False).logits
+        got = torch.compile(model, backend=capture, fullgraph=True)(ids, use_cache=False).logits
+    targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1
+    for op in ("mla.kv_prolog", "mla.rope", "mla.rms_norm"):
+        assert any(t.startswith(op) for t in targets), (op, sorted(set(targets)))
+    assert torch.equal(got, eager)
+
+
 @STATIC_CACHE_TAKES_FULL_KEYS
 def test_static_cache_fullgraph_compile_has_kv_prolog_and_matches_stock():
     config = tiny_config()
