@@ -44,10 +44,13 @@ ENV.pop("MODEL_PATH", None)
 def checkpoint(tmp_path_factory):
     """checkpoint(name) -> the directory of that hub-style checkpoint (bf16 weights, as V2-Lite's), saved once."""
     saved = {}
+    # transformers imports the copied code as transformers_modules.<directory name>, one shared folder for
+    # every process: a name per xdist worker keeps two workers from rewriting the same module at once
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
     def get(name):
         if name not in saved:
-            saved[name] = hub.write_checkpoint(tmp_path_factory.mktemp(f"hub-{name}"), CHECKPOINTS[name],
+            saved[name] = hub.write_checkpoint(tmp_path_factory.mktemp(f"hub-{name}-{worker}-"), CHECKPOINTS[name],
                                                seed=list(CHECKPOINTS).index(name) + 1)
         return saved[name]
 
@@ -165,14 +168,31 @@ def test_greedy_generate_matches_stock_with_the_4x_dynamic_cache(checkpoint, nam
 
 
 def _teacher_forced(model, ids, prefill):
-    """Logits [B, S, vocab] of a prefill of `prefill` tokens, then one cached decode step per remaining token."""
+    """Logits [B, S, vocab] of a prefill of `prefill` tokens, then one cached decode step per remaining
+    token, and the final cache. Called without a cache, the hub model returns the legacy per-layer
+    (K, V) tuples, which each step turns back into a DynamicCache (from_legacy_cache); positions come
+    from the cache's length (no position_ids are passed)."""
     out = model(ids[:, :prefill], use_cache=True)
     cache, logits = out.past_key_values, [out.logits]
     for t in range(prefill, ids.shape[1]):
         out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         logits.append(out.logits)
-    return torch.cat(logits, dim=1)
+    return torch.cat(logits, dim=1), cache
+
+
+def test_decode_through_the_legacy_tuple_cache_fp32_bit_identical(checkpoint):
+    model = load(checkpoint("tiny-q-lora"))
+    ids = torch.randint(3, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, expected_cache = _teacher_forced(model, ids, 9)
+        with patch.apply(model, rope=True), MlaCalls() as calls:
+            got, cache = _teacher_forced(model, ids, 9)
+    assert calls.counts["kv_prolog"] == model.config.num_hidden_layers * 6
+    assert isinstance(cache, tuple) and len(cache) == model.config.num_hidden_layers
+    assert torch.equal(got, expected)
+    for (k, v), (k_ref, v_ref) in zip(cache, expected_cache):
+        assert k.shape[2] == 14 and torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
 def test_bf16_is_as_accurate_as_stock(checkpoint):
@@ -188,10 +208,10 @@ def test_bf16_is_as_accurate_as_stock(checkpoint):
     reference, model = load(directory, torch.float32), load(directory, torch.bfloat16)
     ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        exact = _teacher_forced(reference, ids, 16)
-        stock = _teacher_forced(model, ids, 16)
+        exact, _ = _teacher_forced(reference, ids, 16)
+        stock, _ = _teacher_forced(model, ids, 16)
         with patch.apply(model, rope=True, rms_norm=True):
-            got = _teacher_forced(model, ids, 16)
+            got, _ = _teacher_forced(model, ids, 16)
     stock_error, got_error = (stock - exact).abs().mean(), (got - exact).abs().mean()
     assert got_error <= 1.3 * stock_error, (got_error, stock_error)
     assert (got - stock).abs().median() <= 2 ** -6

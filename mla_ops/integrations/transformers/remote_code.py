@@ -1,9 +1,9 @@
 """The hub remote code's DeepSeek-V2 attention (`modeling_deepseek.py`, loaded with
 `trust_remote_code=True`): how it is recognised and the forward the patch installs on it.
 
-The remote code runs on transformers 4.x (it imports `transformers.modeling_attn_mask_utils` and
-calls `Cache.get_usable_length`, both gone in 5.x); nothing here imports transformers, so this
-works whichever transformers the remote code runs on.
+The remote code runs on transformers 4.x (it calls `Cache.get_usable_length`, gone since 4.54, and
+imports `transformers.modeling_attn_mask_utils`, gone in 5.x; tested on 4.45); nothing here imports
+transformers, so this works whichever transformers the remote code runs on.
 """
 from __future__ import annotations
 
