@@ -138,23 +138,3 @@ FAMILIES = {
 def load(path: str):
     module, name = path.rsplit(".", 1)
     return getattr(importlib.import_module(module), name)
-
-
-def make_config(family: str, attn_implementation: str = "eager"):
-    config_path, _, kwargs = FAMILIES[family]
-    config = load(config_path)(**copy.deepcopy(kwargs))
-    config._attn_implementation = attn_implementation
-    for sub in ("text_config", "vision_config"):
-        if getattr(config, sub, None) is not None:
-            getattr(config, sub)._attn_implementation = attn_implementation
-    return config
-
-
-def build(family: str, attn_implementation: str = "eager", seed: int = 0):
-    import torch
-
-    torch.manual_seed(seed)
-    config = make_config(family, attn_implementation)
-    model = load(FAMILIES[family][1])(config).to(torch.float32).eval()
-    return model, config
-

@@ -5,6 +5,10 @@ model: prefill logits bit-identical in fp32, greedy tokens equal (dense, and pag
 is MLA in every layer), `torch.compile(fullgraph=True)` with the ops as graph nodes, revert back to
 stock. Families the patch must refuse (sparse-attention indexers) are refused with the reason.
 """
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -49,8 +53,9 @@ def _greedy(model, ids):
                           min_new_tokens=NEW_TOKENS, pad_token_id=0)
 
 
-def _stock_forwards(model):
-    return {name: type(m).forward for name, m in model.named_modules()}
+def _forwards(model):
+    """The function each module's forward runs (an instance patch shows here, not on the class)."""
+    return {name: getattr(m.forward, "__func__", m.forward) for name, m in model.named_modules()}
 
 
 def test_every_installed_mla_family_has_a_tiny_config():
@@ -181,15 +186,16 @@ def test_compile_fullgraph_keeps_the_ops_as_nodes(family):
 def test_revert_restores_the_stock_model(family):
     model = _model(family)
     ids = _prompt()
-    stock_forwards = _stock_forwards(model)
+    stock_forwards = _forwards(model)
     with torch.no_grad():
         expected = model(ids).logits
         handle = patch.apply(model, rope=True, rms_norm=True, cache="dense" if family in HYBRID else "paged")
+        assert _forwards(model) != stock_forwards
         model(ids)
         handle.revert()
         got = model(ids).logits
     assert all(not any(k.startswith("_mla_ops") or k == "forward" for k in m.__dict__) for m in model.modules())
-    assert _stock_forwards(model) == stock_forwards
+    assert _forwards(model) == stock_forwards
     assert torch.equal(got, expected)
 
 
@@ -229,10 +235,6 @@ def test_class_level_patch_of_a_family():
 def test_ask_runs_a_saved_checkpoint_of_the_family(family, tmp_path):
     """`mla-ops ask --model-path` loads a saved family checkpoint offline and answers through the ops,
     with the same tokens as the stock model generates."""
-    import json
-    import subprocess
-    import sys
-
     from mla_ops.cli.loading import builtin_tokenizer
 
     tokenizer = builtin_tokenizer()

@@ -60,10 +60,8 @@ def sort_arguments(family: MlaFamily, args: tuple, kwargs: dict) -> ForwardInput
         if name in extra:
             named[name] = extra.pop(name)
     cache = None
-    for keyword in CACHE_KEYWORDS:
-        value = named.pop(keyword, None)
-        if value is None and keyword not in family.parameters:
-            value = extra.pop(keyword, None)
+    for keyword in CACHE_KEYWORDS:  # whichever keyword the caller used; none is passed on
+        value = named.pop(keyword, extra.pop(keyword, None))
         cache = cache if value is None else value
     position_ids = named.get("position_ids", extra.get("position_ids"))
     cache_position = named.get("cache_position", extra.get("cache_position"))

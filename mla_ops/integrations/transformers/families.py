@@ -38,6 +38,8 @@ from typing import Optional
 
 import torch
 
+from ...ops.rope import rope_math
+
 # Names every MLA forward of transformers >= 4.54 may use for what the patch reproduces: the q/kv
 # projections, split, cache update, attention interface, o_proj (DeepSeek-V3's forward, plus the
 # spellings of older DeepSeek-V2 releases).
@@ -170,21 +172,6 @@ def describe(cls: type) -> MlaFamily:
                      flash_value_padding=features["flash_value_padding"], refused=refused)
 
 
-def _rotation(x, cos, sin, layout: str):
-    """What each rope layout means (the definition the ops implement; computed here with plain torch so
-    that recognising a class never calls an op): x [B, N, S, R], cos/sin [B, S, R/2]."""
-    half = x.shape[-1] // 2
-    if layout == "neox":
-        x0, x1 = x[..., :half], x[..., half:]
-    else:
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[:, None], sin[:, None]
-    o0, o1 = x0 * c - x1 * s, x0 * s + x1 * c
-    if layout == "interleaved":
-        return torch.stack((o0, o1), dim=-1).flatten(-2)
-    return torch.cat((o0, o1), dim=-1)
-
-
 def rope_function_refusal(modeling, names) -> Optional[str]:
     """Run each RoPE function the forward names on a small random input and check it rotates the way
     its layout says (a family could reuse a name for another rotation); None when all do."""
@@ -205,7 +192,7 @@ def rope_function_refusal(modeling, names) -> Optional[str]:
                     got = function(x, x[:, :1], torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))[0]
             except Exception as exc:  # another signature: not the function the layout stands for
                 return f"its {name} does not take the arguments of the {layout} RoPE ({type(exc).__name__})"
-            expected = _rotation(x, cos, sin, layout)
+            expected = rope_math(x, cos, sin, layout)  # the op's formula, called without dispatch
         if got.shape != expected.shape or not torch.allclose(got, expected, rtol=0, atol=1e-5):
             return f"its {name} does not compute the {layout} rotation the patch reproduces"
     return None
@@ -233,20 +220,21 @@ def norm_refusal(norm: torch.nn.Module) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------ what is installed
-def installed_mla_model_types() -> list[str]:
+@functools.lru_cache(maxsize=None)
+def installed_mla_model_types() -> tuple[str, ...]:
     """model_type of every transformers model whose modeling file builds MLA projections (a text
-    scan of the installed package: nothing is imported)."""
+    scan of the installed package, once per process: nothing is imported)."""
     import importlib.util
 
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
-        return []
+        return ()
     models = pathlib.Path(next(iter(spec.submodule_search_locations))) / "models"
     found = []
     for path in sorted(models.glob("*/modeling_*.py")):
         if path.stem == f"modeling_{path.parent.name}" and "kv_a_proj_with_mqa" in path.read_text(errors="ignore"):
             found.append(path.parent.name)
-    return found
+    return tuple(found)
 
 
 def families_of(model_type: str) -> list[MlaFamily]:
