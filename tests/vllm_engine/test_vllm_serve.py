@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 STARTUP_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 120
@@ -102,8 +103,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_server_runs_the_plugin_backend(server):
     log = server.log()
-    assert "mla-ops vLLM plugin: registered: CPU_MLA, AMX_MLA; CPU_MLA decode -> torch.ops.mla" in log
+    assert ("mla-ops vLLM plugin: registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm; CPU_MLA decode -> "
+            "torch.ops.mla") in log
+    # fp32: CPU_MLA on any CPU (on one with AMX tiles the plugin steers it off AMX_MLA, which takes bf16 only
+    # and fails loading fp32 weights in stock vLLM)
     assert "Using CPU_MLA backend" in log
+    steered = "dtype float32 on a CPU with AMX tiles: vLLM's AMX_MLA takes bfloat16 weights only" in log
+    assert steered == bool(torch.cpu._is_amx_tile_supported())
 
 
 def test_completion(server):

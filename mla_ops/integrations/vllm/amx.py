@@ -4,8 +4,11 @@ Subclasses `vllm/v1/attention/backends/mla/amx_mla.py` (`AMXMLABackend`, `AMXMLA
 picks AMX_MLA instead of CPU_MLA whenever `torch.cpu._is_amx_tile_supported()`; the plugin re-points both so
 the route does not depend on the CPU model. The cache layout is the same `[num_blocks, block_size, 576]`
 (block_size a multiple of 32 here); AMX's own prefill (`forward_mha`, `extend_attention_cpu`) reads the
-cache our scatter wrote, in the layout it expects. Not exercised on the machines this was written on (no
-AMX): the decode and cache-write code is the CPU_MLA route's, shared through :mod:`.cpu`.
+cache our scatter wrote, in the layout it expects. The decode and cache-write code is the CPU_MLA route's,
+shared through :mod:`.cpu`.
+
+Not the default: vLLM's AMX decode kernel measures faster than mla-ops' on the same memory
+(:mod:`.routes`), so the plugin registers this backend only under `MLA_OPS_VLLM_ROUTE=mla-ops`.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from .cpu import MlaOpsMethods
 
 class MlaOpsAMXMLAImpl(MlaOpsMethods, AMXMLAImpl):
     """`AMXMLAImpl` whose decode is `mla.mla_decode_attention` and cache write `mla.scatter_pa_kv_cache`."""
+
+    backend_name = "AMX_MLA"
 
 
 class MlaOpsAMXMLABackend(AMXMLABackend):

@@ -1,7 +1,12 @@
 """vllm-ascend adapter: decode attention of `AscendMLAImpl` through `torch.ops.mla.mla_decode_attention`.
 
 NOT RUNNABLE HERE: vllm-ascend needs Ascend NPUs, CANN and torch_npu; this module is import-guarded and
-has only been checked against vllm-ascend's source, not run. Written against vllm-project/vllm-ascend
+has only been checked against vllm-ascend's source, not run.
+
+Off by default: mla-ops has no NPU kernel for `mla.mla_decode_attention` yet, and the reference composite
+that would serve it on PrivateUse1 gathers the whole block-table width of every request per layer and
+step. :func:`register` routes only once an NPU kernel serves the op (`routes.decide("ASCEND_MLA")`);
+`MLA_OPS_VLLM_ROUTE=mla-ops` takes the route anyway, for trying it. Written against vllm-project/vllm-ascend
 (snapshot of 2026-08-22, commit 182b75ea84ff13ece27b57391331ef8935410aea):
 
 * `vllm_ascend/platform.py` `NPUPlatform.get_attn_backend_cls` returns hard-coded class paths, MLA:
@@ -30,14 +35,24 @@ ADAPTER_BACKEND = "mla_ops.integrations.vllm.ascend.MlaOpsAscendMLABackend"
 
 
 def register() -> str:
-    """Wrap `NPUPlatform.get_attn_backend_cls` so MLA models get :class:`MlaOpsAscendMLABackend`."""
+    """Wrap `NPUPlatform.get_attn_backend_cls` so MLA models get :class:`MlaOpsAscendMLABackend` — only
+    where an NPU kernel of mla-ops serves `mla.mla_decode_attention` (see :mod:`.routes`), or when
+    `MLA_OPS_VLLM_ROUTE=mla-ops` asks for the route anyway. Otherwise vllm-ascend is left as it is and the
+    returned state says why."""
     if importlib.util.find_spec("vllm_ascend") is None or importlib.util.find_spec("torch_npu") is None:
         return "NPU platform without vllm_ascend / torch_npu importable; nothing routed"
+    import torch_npu  # noqa: F401  (binds mla-ops' NPU kernels, so the decision sees them)
+
+    from . import DECISIONS, routes
+
+    DECISIONS["ASCEND_MLA"] = decision = routes.decide("ASCEND_MLA")
+    if not decision.route:
+        return f"not routed: {decision.describe('ASCEND_MLA')}"
     from vllm_ascend.platform import NPUPlatform
 
     original = NPUPlatform.get_attn_backend_cls
     if getattr(original, "_mla_ops_wrapped", False):
-        return "registered: ASCEND_MLA decode (already wrapped)"
+        return f"registered: {decision.describe('ASCEND_MLA')} (already wrapped)"
     original_func = original.__func__
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kwargs):
@@ -46,7 +61,7 @@ def register() -> str:
 
     get_attn_backend_cls._mla_ops_wrapped = True
     NPUPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-    return "registered: ASCEND_MLA decode"
+    return f"registered: {decision.describe('ASCEND_MLA')}"
 
 
 if importlib.util.find_spec("vllm_ascend") is not None:  # the classes exist only where vllm-ascend does

@@ -27,6 +27,8 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 import mla_ops  # noqa: F401  (registers torch.ops.mla; a no-op when already imported)
 
+from .routes import serving_decode_backend
+
 logger = logging.getLogger("vllm.mla_ops")  # vLLM's handlers print its logger tree
 
 # (op, layer) -> calls in this process, layer = the attention module's prefix ("model.layers.3.self_attn").
@@ -97,7 +99,20 @@ def _plugin_state() -> str:
 
 
 class MlaOpsMethods:
-    """The two methods the plugin replaces in vLLM's CPU MLA impls (CPU_MLA and AMX_MLA share them)."""
+    """The two methods the plugin replaces in vLLM's CPU MLA impls (CPU_MLA and AMX_MLA share them).
+
+    The first impl built in a process logs the route (one line per process and backend, not per layer)."""
+
+    _announced: set = set()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        backend = self.backend_name
+        if backend not in MlaOpsMethods._announced:
+            MlaOpsMethods._announced.add(backend)
+            logger.info("mla-ops vLLM plugin: %s; %s decode -> torch.ops.mla.mla_decode_attention (served by "
+                        "%s), cache write -> torch.ops.mla.scatter_pa_kv_cache", _plugin_state(), backend,
+                        serving_decode_backend("cpu"))
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         assert attn_metadata.decode is not None
@@ -113,14 +128,7 @@ class MlaOpsMethods:
 class MlaOpsCPUMLAImpl(MlaOpsMethods, CPUMLAImpl):
     """`CPUMLAImpl` whose decode is `mla.mla_decode_attention` and cache write `mla.scatter_pa_kv_cache`."""
 
-    _announced = False  # one log line per process, not one per layer
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if not MlaOpsCPUMLAImpl._announced:
-            MlaOpsCPUMLAImpl._announced = True
-            logger.info("mla-ops vLLM plugin: %s; CPU_MLA decode -> torch.ops.mla.mla_decode_attention, "
-                        "cache write -> torch.ops.mla.scatter_pa_kv_cache", _plugin_state())
+    backend_name = "CPU_MLA"
 
 
 class MlaOpsCPUMLABackend(CPUMLABackend):

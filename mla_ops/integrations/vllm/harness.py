@@ -22,8 +22,14 @@ import time
 
 def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32", enforce_eager: bool = True,
             max_model_len: int = 1024, max_num_seqs: int = 8, kv_cache_mb: int = 256,
-            tensor_parallel_size: int = 1, logprobs: int = 5, timeout: float = 900, extra_env=None) -> dict:
+            tensor_parallel_size: int = 1, logprobs: int = 5, timeout: float = 900, extra_env=None,
+            attention_backend: str | None = None, route: str | None = None, count_ops: bool = False) -> dict:
     """Start one engine on `model` in a child process, run `jobs` in order, return the report (dict).
+
+    `attention_backend`: vLLM's `attention_backend` ("CPU_MLA", "AMX_MLA"; None: vLLM picks). `route`:
+    `MLA_OPS_VLLM_ROUTE` for the child (None: inherited, default "auto"). `count_ops`: profile every
+    worker while the jobs run and report the dispatcher calls of `mla::*` and vLLM's `_C::*` ops
+    (`op_counts`), counted by torch.profiler inside the engine, independently of the plugin.
 
     Each job: `{"prompts": [[token ids], ...], "max_tokens": int, "timed": bool (optional)}`; greedy,
     `ignore_eos` (every prompt generates exactly max_tokens), `logprobs` top entries per step. A timed job
@@ -35,20 +41,26 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     engine (TP 1).
 
     Report: `{"vllm": version, "layers": [{"layer", "impl", "backend"}] (every worker's), "calls":
-    {"op|layer": n} (summed over workers), "workers": n, "worker_plugin_states": [register()'s result in
-    each worker], "startup_s", "jobs": [{"outputs": [{"token_ids", "logprobs": [{token: logprob}, ...]}],
-    ...}], "log": tail of the child's output, "plugin_log": its lines that mention mla-ops}`.
+    {"op|layer": n} (the plugin's own counter, summed over workers), "op_counts": {"mla::op": n,
+    "_C::op": n} (profiled, summed over workers; with count_ops), "workers": n, "worker_plugin_states":
+    [register()'s result in each worker], "decode_served_by": [the mla-ops backend bound for
+    mla.mla_decode_attention on CPU, per worker], "startup_s", "jobs": [{"outputs": [{"token_ids",
+    "logprobs": [{token: logprob}, ...]}], ...}], "log": tail of the child's output, "plugin_log": its
+    lines that mention mla-ops}`.
     Raises RuntimeError with the child's output tail on failure.
     """
     spec = dict(model=str(model), jobs=jobs, dtype=dtype, enforce_eager=enforce_eager,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_mb=kv_cache_mb,
-                tensor_parallel_size=tensor_parallel_size, logprobs=logprobs)
+                tensor_parallel_size=tensor_parallel_size, logprobs=logprobs,
+                attention_backend=attention_backend, count_ops=count_ops)
     env = dict(os.environ)
     env.update({"MLA_OPS_VLLM_PLUGIN": "1" if plugin else "0",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tensor_parallel_size == 1 else "1",
                 # the report functions below are sent to TP workers by reference (pickled by name)
                 "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
+    if route is not None:
+        env["MLA_OPS_VLLM_ROUTE"] = route
     env.update(extra_env or {})
     with tempfile.TemporaryDirectory(prefix="mla-ops-vllm-") as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
@@ -80,12 +92,47 @@ def _layer_report(model) -> list[dict]:
 
 
 def _worker_report(worker) -> dict:
-    """In a worker: what the plugin's register() did there, and the op counters of that process (empty
-    when the plugin's backend module never loaded)."""
+    """In a worker: what the plugin's register() did there, the op counters of that process (empty
+    when the plugin's backend module never loaded) and what serves mla.mla_decode_attention on CPU."""
     plugin = sys.modules.get("mla_ops.integrations.vllm")
     mod = sys.modules.get("mla_ops.integrations.vllm.cpu")
     calls = {} if mod is None else {f"{op}|{layer}": n for (op, layer), n in mod.CALLS.items()}
-    return {"plugin_state": getattr(plugin, "_state", None), "calls": calls}
+    served = None
+    if "mla_ops.backends" in sys.modules:
+        from mla_ops.backends import bound_report
+
+        served = next(label for op, device, label in bound_report()
+                      if op == "mla_decode_attention" and device == "cpu")
+    return {"plugin_state": getattr(plugin, "_state", None), "calls": calls, "decode_served_by": served}
+
+
+# Names of the dispatcher ops counted by `count_ops`: mla-ops' and the host's own kernels (vLLM's `_C`,
+# `_C_cache_ops`).
+_COUNTED_NAMESPACES = ("mla::", "_C::", "_C_cache_ops::")
+_PROFILER = None
+
+
+def _start_op_profile(worker) -> None:
+    """In a worker: start a CPU profiler that records every dispatcher call of this process."""
+    global _PROFILER
+    import torch
+
+    _PROFILER = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    _PROFILER.__enter__()
+
+
+def _stop_op_profile(worker) -> dict:
+    """In a worker: stop the profiler; -> {op name: calls} for the counted namespaces. A call reaches the
+    dispatcher twice under no_grad (the Autograd kernel re-dispatches): only the outermost is counted."""
+    global _PROFILER
+    prof, _PROFILER = _PROFILER, None
+    prof.__exit__(None, None, None)
+    counts: dict = {}
+    for event in prof.events():
+        parent = event.cpu_parent
+        if event.name.startswith(_COUNTED_NAMESPACES) and (parent is None or parent.name != event.name):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
 
 
 def _outputs(request_outputs) -> list[dict]:
@@ -130,16 +177,18 @@ _MQA_TIMES: list[float] = []
 
 
 def _time_forward_mqa() -> None:
-    """Time every decode attention call (`forward_mqa`) of vLLM's CPU MLA impl and of the plugin's, in this
-    process: the share of a step that the backend choice changes, measured inside the running engine.
-    Wraps the methods (same arguments, same result); used by timed jobs only."""
+    """Time every decode attention call (`forward_mqa`) of vLLM's CPU MLA impls (CPU_MLA, AMX_MLA) and of
+    the plugin's, in this process: the share of a step that the backend choice changes, measured inside
+    the running engine. Wraps the methods (same arguments, same result); used by timed jobs only."""
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
-    classes = [CPUMLAImpl]
+    classes = [CPUMLAImpl, AMXMLAImpl]
     if os.environ.get("MLA_OPS_VLLM_PLUGIN", "1") != "0":
+        from mla_ops.integrations.vllm.amx import MlaOpsAMXMLAImpl
         from mla_ops.integrations.vllm.cpu import MlaOpsCPUMLAImpl
 
-        classes.append(MlaOpsCPUMLAImpl)
+        classes += [MlaOpsCPUMLAImpl, MlaOpsAMXMLAImpl]
     for cls in classes:
         original = cls.forward_mqa  # the method the instances run (the plugin's comes from its mixin)
 
@@ -166,7 +215,9 @@ def _child(spec_path: str, out_path: str) -> None:
               max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
               kv_cache_memory_bytes=spec["kv_cache_mb"] << 20,
               tensor_parallel_size=spec["tensor_parallel_size"],
-              seed=0)
+              seed=0, **({"attention_backend": spec["attention_backend"]} if spec["attention_backend"] else {}))
+    if spec["count_ops"]:
+        llm.collective_rpc(_start_op_profile)
     report = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "jobs": []}
     for job in spec["jobs"]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
@@ -194,6 +245,12 @@ def _child(spec_path: str, out_path: str) -> None:
             row["total_s"] = time.perf_counter() - t
             row["outputs"] = _outputs(outs)
         report["jobs"].append(row)
+    if spec["count_ops"]:
+        op_counts: dict = {}
+        for counts in llm.collective_rpc(_stop_op_profile):
+            for name, n in counts.items():
+                op_counts[name] = op_counts.get(name, 0) + n
+        report["op_counts"] = op_counts
     report["layers"] = [r for rows in llm.apply_model(_layer_report) for r in rows]
     workers = llm.collective_rpc(_worker_report)
     calls: dict = {}
@@ -203,6 +260,7 @@ def _child(spec_path: str, out_path: str) -> None:
     report["calls"] = calls
     report["workers"] = len(workers)
     report["worker_plugin_states"] = [w["plugin_state"] for w in workers]
+    report["decode_served_by"] = [w["decode_served_by"] for w in workers]
     with open(out_path, "w") as f:
         json.dump(report, f)
 

@@ -1,0 +1,111 @@
+"""Which of a host's MLA decode kernels the plugin replaces, and why: never a downgrade.
+
+vLLM picks one MLA attention backend per platform and CPU (`vllm/platforms/cpu.py`
+`CpuPlatform.get_attn_backend_cls`: AMX_MLA where the CPU has AMX tiles, CPU_MLA elsewhere; vllm-ascend
+its ASCEND_MLA). The plugin puts `torch.ops.mla.mla_decode_attention` in place of a host's decode kernel
+only where it was measured to be at least as fast as that kernel, and only when the mla-ops kernel that
+would serve the call is the one that was measured (the C++ `cpu_native` kernel on CPU, an NPU kernel on
+Ascend; never the reference composite). `HOST_KERNELS` holds those measurements, one row per host
+backend; `decide()` applies them.
+
+`MLA_OPS_VLLM_ROUTE` forces either choice (read in every process vLLM starts):
+  auto      (default) the measured choice below, per host backend
+  mla-ops   route every host backend the plugin knows, whatever was measured
+  vllm      keep every host kernel (the plugin still registers, logs, and lets fp32 run on an AMX CPU)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+ENV_ROUTE = "MLA_OPS_VLLM_ROUTE"
+ROUTE_MODES = ("auto", "mla-ops", "vllm")
+DECODE_OP = "mla_decode_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKernel:
+    """One host backend's decode kernel and what mla-ops measured against it.
+
+    backend: vLLM's name for the attention backend ("CPU_MLA").
+    kernel: the host's decode kernel, as the host calls it.
+    device_type: where the mla op must run ("cpu" / "npu").
+    mla_backend: the mla-ops backend whose decode kernel was measured against `kernel`; the route is
+        only taken when this backend serves `mla.mla_decode_attention` on `device_type`.
+    faster: whether that kernel was measured at least as fast as the host's in every measured case.
+    measured: the measurement, in words: ratios, shapes, CPU flags and the command that reproduces it.
+    """
+
+    backend: str
+    kernel: str
+    device_type: str
+    mla_backend: str
+    faster: bool
+    measured: str
+
+
+# Ratios are host time / mla-ops time (above 1: mla-ops faster), bf16, V2-Lite attention dims (16 heads,
+# latent 512 + rope 64), same cache memory, measured side by side in one run; README "Inside vLLM".
+HOST_KERNELS: dict[str, HostKernel] = {row.backend: row for row in (
+    HostKernel(
+        "CPU_MLA", "torch.ops._C.mla_decode_kvcache (vllm csrc/cpu/mla_decode.cpp)", "cpu", "cpu_native", True,
+        "cpu_native decode 1.2-2.1x the speed of vLLM's CPU_MLA kernel at 512-16k context, B=1 and 8, bf16 and "
+        "fp32, AVX2 and AVX-512 builds, on AVX-512 and AMX CPUs (`mla-ops bench ops --against vllm`)"),
+    HostKernel(
+        "AMX_MLA", "torch.ops._C.decode_attention_cpu (SGLang's AMX decode, vllm csrc/cpu/sgl-kernels)", "cpu",
+        "cpu_native", False,
+        "cpu_native decode 0.55-0.88x the speed of vLLM's AMX_MLA kernel at 512-16k context, B=1 and 8, bf16, "
+        "on an AMX CPU (amx_bf16 amx_tile avx2 avx512_bf16 avx512f; `mla-ops bench ops --against vllm`)"),
+    HostKernel(
+        "ASCEND_MLA", "torch_npu.npu_fused_infer_attention_score_v2 (vllm-ascend attention/mla_v1.py)", "npu",
+        "npu", True,
+        "routed only where an NPU kernel of mla-ops serves the decode; the reference composite it would "
+        "otherwise run gathers the whole block-table width per request and is never routed"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    route: bool  # True: mla-ops' decode replaces the host's kernel
+    reason: str  # why, in words, for the log and for `register()`'s state
+
+    def describe(self, backend: str) -> str:
+        verdict = "decode -> torch.ops.mla.mla_decode_attention" if self.route else "decode stays vLLM's"
+        return f"{backend} {verdict} ({self.reason})"
+
+
+def route_mode() -> str:
+    """`MLA_OPS_VLLM_ROUTE`, validated: one of ROUTE_MODES (default "auto")."""
+    mode = os.environ.get(ENV_ROUTE, "auto").strip().lower() or "auto"
+    if mode not in ROUTE_MODES:
+        raise ValueError(f"{ENV_ROUTE}={os.environ[ENV_ROUTE]!r} is not one of {', '.join(ROUTE_MODES)}; "
+                         f"unset it for the measured choice")
+    return mode
+
+
+def serving_decode_backend(device_type: str) -> str:
+    """The mla-ops backend that would serve `mla.mla_decode_attention` on `device_type` now (the first
+    automatic candidate, or the one MLA_OPS_BACKEND demands): "cpu_native", "npu", "reference", ..."""
+    from ...backends import candidates
+
+    options = candidates(DECODE_OP, device_type)
+    return options[0].name if options else "reference"
+
+
+def decide(backend: str) -> Decision:
+    """Whether the plugin replaces host backend `backend`'s decode kernel, and why."""
+    host = HOST_KERNELS[backend]
+    mode = route_mode()
+    serving = serving_decode_backend(host.device_type)
+    if mode == "vllm":
+        return Decision(False, f"{ENV_ROUTE}=vllm keeps {host.kernel}")
+    if mode == "mla-ops":
+        return Decision(True, f"forced by {ENV_ROUTE}=mla-ops; served by mla-ops' {serving} kernel")
+    if serving != host.mla_backend:
+        return Decision(False, f"mla-ops' decode on {host.device_type} would run its {serving} kernel; the route "
+                               f"needs its {host.mla_backend} kernel ({host.measured}); {ENV_ROUTE}=mla-ops "
+                               "routes it anyway")
+    if not host.faster:
+        return Decision(False, f"{host.kernel} is faster here: {host.measured}; {ENV_ROUTE}=mla-ops routes "
+                               "it anyway")
+    return Decision(True, host.measured)
