@@ -253,3 +253,29 @@ def test_poison_past_the_length_of_back_to_back_blocks(lens):
     out = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
     expected = materialized_decode_reference(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("poison", sorted(POISONS))
+@pytest.mark.parametrize("bad_id", [-1, -7, 6, 10**6])
+def test_an_invalid_id_inside_a_length_contributes_nothing_on_the_sync_free_path(bad_id, poison):
+    """The defined meaning of an out-of-range block id at a position a row attends to: on the
+    sync-free path (what device tensors run) that position contributes nothing, as if masked, and a
+    row left with no valid position gives zeros — whatever the pool holds where the clamped id lands
+    (blocks 0 and 5 here, poisoned). The eager CPU path refuses the same call, naming block_tables."""
+    block_size, heads, lora, rope = 4, 2, 8, 4
+    g = torch.Generator().manual_seed(3)
+    key_cache = torch.randn(6, block_size, 1, lora, generator=g)
+    value_cache = torch.randn(6, block_size, 1, rope, generator=g)
+    for cache in (key_cache, value_cache):
+        cache[0] = cache[5] = POISONS[poison]  # where ids below 0 / at or past 6 are clamped to
+    tables = torch.tensor([[1, bad_id, 2], [bad_id, bad_id, -1], [3, 4, bad_id]])
+    lens = torch.tensor([10, 5, 12])
+    q_latent, q_pe = torch.randn(3, heads, lora, generator=g), torch.randn(3, heads, rope, generator=g)
+    out = decode_sync_free(q_latent, q_pe, key_cache, value_cache, tables, lens, 0.3)
+    # rows 0 and 2 attend to exactly their valid positions: blocks [1, 2] for 6 tokens, [3, 4] for 8
+    expected = materialized_decode_reference(q_latent[[0, 2]], q_pe[[0, 2]], key_cache, value_cache,
+                                             torch.tensor([[1, 2], [3, 4]]), torch.tensor([6, 8]), 0.3)
+    torch.testing.assert_close(out[[0, 2]].double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    with pytest.raises(ValueError, match="block_tables"):
+        mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, lens, 0.3)

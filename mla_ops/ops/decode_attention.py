@@ -164,11 +164,12 @@ def _strided_context(cache: Tensor, block_ids: Tensor):
 
 
 def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_lens: Tensor,
-            softmax_scale: float, mask: bool, out_len: Optional[int] = None) -> Tensor:
+            softmax_scale: float, mask: bool, out_len: Optional[int] = None,
+            attended: Optional[Tensor] = None) -> Tensor:
     """Scores over the gathered context [B, T, L] / [B, T, R] -> o_latent [B, N, L]. With `mask`,
-    positions at or past a row's length are not attended, and a row with no position left
-    (seq_lens <= 0: a padding row of a captured batch) yields zeros, not the NaN of an all -inf
-    softmax. The caller guarantees the latent rows of unattended positions are zeros (or absent):
+    positions at or past a row's length are not attended (or, when given, those where `attended`
+    [B, T] bool is False), and a row with no position left (seq_lens <= 0: a padding row of a
+    captured batch) yields zeros, not the NaN of an all -inf softmax. The caller guarantees the latent rows of unattended positions are zeros (or absent):
     a zero probability times a NaN/inf there would still be NaN in `probs @ latent`. Scores need
     no such care: masked_fill replaces a NaN score too. `out_len`: only the first positions enter
     `probs @ latent` (those past it are masked, and may hold anything); the score GEMM keeps the
@@ -179,12 +180,13 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
     scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).float()
     scores *= softmax_scale
     if mask:
-        positions = torch.arange(latent.shape[1], device=latent.device)
-        lens = seq_lens.long()
-        scores.masked_fill_((positions[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+        if attended is None:
+            positions = torch.arange(latent.shape[1], device=latent.device)
+            attended = positions[None, :] < seq_lens.long()[:, None]
+        scores.masked_fill_(~attended[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if mask:
-        probs.masked_fill_((lens <= 0)[:, None, None], 0.0)
+        probs.masked_fill_(~attended.any(dim=1)[:, None, None], 0.0)
     if out_len is not None and out_len != latent.shape[1]:
         probs, latent = probs[..., :out_len], latent[:, :out_len]
     return torch.bmm(probs.to(latent.dtype), latent)
@@ -194,19 +196,24 @@ def decode_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_ca
                       block_tables: Tensor, seq_lens: Tensor, softmax_scale: float) -> Tensor:
     """Device path (CUDA, ...): no host sync, so graph-capturable. The whole table width is gathered
     (a static shape), ids are clamped into the pool so nothing is read out of bounds whatever the
-    values, and every row is masked to its length (ids past it are never attended). The gathered
-    latent of unattended positions is zeroed: whatever the pool holds there (torch.empty garbage,
-    an fp16 overflow in another sequence's block that a clamped padding id points at) stays out of
-    every output."""
-    num_blocks = key_cache.shape[0]
+    values, and every row is masked to its length (ids past it are never attended). A position
+    inside a length whose block id is invalid (outside [0, num_blocks): the CPU path refuses it,
+    naming block_tables) contributes nothing, as if masked; a row left with no valid position gives
+    zeros. The gathered latent of unattended positions is zeroed: whatever the pool holds there
+    (torch.empty garbage, an fp16 overflow in another sequence's block that a clamped id points at)
+    stays out of every output."""
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     if q_latent.shape[0] == 0 or block_tables.shape[1] == 0:
         return q_latent.new_zeros(q_latent.shape)
-    block_ids = block_tables.long().clamp(0, num_blocks - 1)
+    ids = block_tables.long()
+    block_ids = ids.clamp(0, num_blocks - 1)
     latent = _gather_context("latent", key_cache, block_ids)  # [B, T, L]
     k_pe = _gather_context("k_pe", value_cache, block_ids)  # [B, T, R]
     positions = torch.arange(latent.shape[1], device=latent.device)
-    latent.masked_fill_((positions[None, :] >= seq_lens.long()[:, None])[:, :, None], 0)
-    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask=True)
+    valid_ids = ((ids >= 0) & (ids < num_blocks)).repeat_interleave(block_size, dim=1)  # [B, T]
+    attended = (positions[None, :] < seq_lens.long()[:, None]) & valid_ids
+    latent.masked_fill_(~attended[:, :, None], 0)
+    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask=True, attended=attended)
 
 
 def mla_decode_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
