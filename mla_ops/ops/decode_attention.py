@@ -169,8 +169,9 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
     """Scores over the gathered context [B, T, L] / [B, T, R] -> o_latent [B, N, L]. With `mask`,
     positions at or past a row's length are not attended (or, when given, those where `attended`
     [B, T] bool is False), and a row with no position left (seq_lens <= 0: a padding row of a
-    captured batch) yields zeros, not the NaN of an all -inf softmax. The caller guarantees the latent rows of unattended positions are zeros (or absent):
-    a zero probability times a NaN/inf there would still be NaN in `probs @ latent`. Scores need
+    captured batch) yields zeros, not the NaN of an all -inf softmax. The caller guarantees the
+    latent rows of unattended positions are zeros (or absent): a zero probability times a NaN/inf
+    there would still be NaN in `probs @ latent`. Scores need
     no such care: masked_fill replaces a NaN score too. `out_len`: only the first positions enter
     `probs @ latent` (those past it are masked, and may hold anything); the score GEMM keeps the
     whole-block width, because ATen's CPU bf16 GEMM is ~60x slower when that width is not a
