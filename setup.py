@@ -89,7 +89,8 @@ setup(
     # next to vLLM, which pins its own transformers.
     install_requires=["torch>=2.6"],
     extras_require={
-        "transformers": ["transformers>=5.24,<5.25", "safetensors", "tokenizers"],
+        # the releases the patch is tested on: the hub remote code from 4.45, native models 4.54-5.24
+        "transformers": ["transformers>=4.45,<5.25", "safetensors", "tokenizers"],
         "pypto": ["pypto==0.2.0"],
         "plot": ["matplotlib"],
         "npu": ["torch_npu"],
