@@ -32,7 +32,9 @@ class HostKernel:
     device_type: where the mla op must run ("cpu" / "npu").
     mla_backend: the mla-ops backend whose decode kernel was measured against `kernel`; the route is
         only taken when this backend serves `mla.mla_decode_attention` on `device_type`.
-    faster: whether that kernel was measured at least as fast as the host's in every measured case.
+    faster: whether to route once `mla_backend` serves the decode: that kernel was measured at least as
+        fast as the host's in every measured case (ASCEND_MLA: no NPU decode kernel exists to measure;
+        the route waits for one, and its row for the measurement).
     measured: the measurement, in words: ratios, shapes, CPU flags and the command that reproduces it.
     """
 
@@ -59,8 +61,8 @@ HOST_KERNELS: dict[str, HostKernel] = {row.backend: row for row in (
     HostKernel(
         "ASCEND_MLA", "torch_npu.npu_fused_infer_attention_score_v2 (vllm-ascend attention/mla_v1.py)", "npu",
         "npu", True,
-        "routed only where an NPU kernel of mla-ops serves the decode; the reference composite it would "
-        "otherwise run gathers the whole block-table width per request and is never routed"),
+        "not measured: mla-ops has no NPU decode kernel yet; routed only once one serves the decode (the "
+        "reference composite it would otherwise run gathers the whole block-table width per request)"),
 )}
 
 
