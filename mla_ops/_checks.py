@@ -97,6 +97,24 @@ def check_layout(op: str, name: str, layout: str, allowed=ROPE_LAYOUTS) -> None:
     )
 
 
+# What the rotation is computed in:
+#   "float32": fp32 math (fp64 for fp64 inputs), one rounding to the activation dtype at the end
+#              (transformers' DeepSeek-V2 apply_rotary_emb: complex fp32 multiplication);
+#   "activation": cos/sin cast to the activation dtype, each product and the sum rounded to it
+#              (x*cos + rotate_half(x)*sin as DeepSeek-V3's family and the hub remote code compute it).
+# In fp32 / fp64 both compute the same formula in that dtype; they can differ by an ulp only in rows of
+# fewer than 8 pairs, where ATen's complex multiplication ("float32") contracts into fused multiply-adds.
+ROPE_COMPUTE_DTYPES = ("float32", "activation")
+
+
+def check_rope_compute_dtype(op: str, name: str, value: str) -> None:
+    torch._check(
+        value in ROPE_COMPUTE_DTYPES,
+        lambda: f"mla.{op}: {name} must be one of {ROPE_COMPUTE_DTYPES} (\"float32\": rotate in fp32 and round "
+        f"once; \"activation\": round like x*cos + rotate_half(x)*sin in x's dtype), got {value!r}",
+    )
+
+
 def check_rope_tables(op: str, x_name: str, cos: torch.Tensor, sin: torch.Tensor, rope_dim, seq_len,
                       batch) -> None:
     """cos/sin: one fp value per rotation pair, `[B, S, R/2]` or `[S, R/2]`, for the rotated tensor

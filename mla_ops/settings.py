@@ -5,15 +5,17 @@ Settings are read once from the environment at import and can be changed at run 
 ===============================  =========  ====================================================
 environment variable             default    meaning
 ===============================  =========  ====================================================
-``MLA_OPS_BACKEND``              ``auto``   ``auto`` | ``reference`` | ``cpu_native`` | ``pypto_sim`` | ``npu``
+``MLA_OPS_BACKEND``              ``auto``   ``auto`` or a backend's name: ``reference``, ``cpu_native``,
+                                            ``pypto_sim``, ``npu`` (``mla_ops.backends.BACKENDS``)
 ``MLA_OPS_NPU_FUSED_MAX_TOKENS`` ``16``     NPU ``kv_prolog``: token counts (B*S) up to this use
                                             the fused PyPTO stage-2 kernel, larger ones the
                                             torch_npu baseline composite
 ``MLA_OPS_NPU_WARMUP_TOKENS``    ``1,2``    token counts compiled ahead by ``mla_ops.backends.npu.warmup``
 ===============================  =========  ====================================================
 
-``auto`` picks the best available backend per device (NPU kernels for NPU tensors, the torch
-reference elsewhere); ``mla_ops.explain(op, *args)`` says why it skipped the others. An explicit
+``auto`` picks the best available backend per device (the native C++ kernels for CPU tensors where a
+build imports, NPU kernels for NPU tensors, the torch reference kernels for everything else);
+``mla_ops.explain(op, *args)`` says why it skipped the others. An explicit
 backend is a demand for the ops it declares: a call it cannot serve fails with the reasons, it
 does not fall back silently; ops it has no kernel for keep the automatic choice. ``pypto_sim`` runs
 the PyPTO kernels through pypto's CPU simulator: about a second per call, meant for tests, kernel
@@ -28,7 +30,10 @@ import dataclasses
 import os
 from typing import Callable, Iterator
 
-BACKEND_NAMES = ("auto", "reference", "cpu_native", "pypto_sim", "npu")
+# The names a backend setting may take: "auto" and every backend's name. The backend layer supplies
+# them when it has defined its backends (`declare_backend_names`), so adding a backend module is all a
+# new backend needs; the environment variable is validated then, at `import mla_ops`.
+_backend_names: Callable[[], tuple[str, ...]] = lambda: ()  # noqa: E731
 
 
 def _env_int(name: str, default: int) -> int:
@@ -57,15 +62,27 @@ def _env_int_tuple(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     return values
 
 
-def _check_backend(name: str) -> str:
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown mla_ops backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+def backend_names() -> tuple[str, ...]:
+    """"auto" and the name of every backend."""
+    return ("auto",) + tuple(_backend_names())
+
+
+def _check_backend(name: str, source: str = "set_backend") -> str:
+    if name not in backend_names():
+        raise ValueError(f"{source}: unknown mla_ops backend {name!r}; choose one of {', '.join(backend_names())}")
     return name
+
+
+def declare_backend_names(names: Callable[[], tuple[str, ...]]) -> None:
+    """Called by the backend layer once its backends exist: validates MLA_OPS_BACKEND against them."""
+    global _backend_names
+    _backend_names = names
+    _check_backend(settings.backend, "MLA_OPS_BACKEND")
 
 
 @dataclasses.dataclass
 class Config:
-    """The process-wide settings (one instance: ``mla_ops.config.settings``)."""
+    """The process-wide settings (one instance: ``mla_ops.settings.settings``)."""
 
     backend: str = "auto"  # change it with set_backend / use_backend, which re-bind the kernels
     npu_fused_max_tokens: int = 16
@@ -74,7 +91,7 @@ class Config:
     @classmethod
     def from_env(cls) -> "Config":
         return cls(
-            backend=_check_backend(os.environ.get("MLA_OPS_BACKEND", "auto") or "auto"),
+            backend=os.environ.get("MLA_OPS_BACKEND", "auto") or "auto",  # validated by declare_backend_names
             npu_fused_max_tokens=_env_int("MLA_OPS_NPU_FUSED_MAX_TOKENS", cls.npu_fused_max_tokens),
             npu_warmup_tokens=_env_int_tuple("MLA_OPS_NPU_WARMUP_TOKENS", cls.npu_warmup_tokens),
         )
@@ -90,7 +107,7 @@ def on_backend_change(listener: Callable[[], None]) -> None:
 
 
 def set_backend(name: str) -> None:
-    """Select the backend for every later op call (one of BACKEND_NAMES)."""
+    """Select the backend for every later op call ("auto" or a backend's name, see `backend_names()`)."""
     settings.backend = _check_backend(name)
     for listener in _backend_listeners:
         listener()

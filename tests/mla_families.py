@@ -135,6 +135,15 @@ FAMILIES = {
 }
 
 
+def mla_layers(config) -> int:
+    """How many MLA attention layers a model of this config runs per forward, read off the config:
+    the hybrids (Bailing-hybrid, Kimi-Linear) list their layer kinds in `layer_types`, of which the
+    "full_attention" ones are MLA; every other supported family is MLA in each of its
+    `num_hidden_layers` (LongCat-Flash counts its two MLA sublayers per decoder layer there)."""
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types.count("full_attention") if layer_types else config.num_hidden_layers
+
+
 def load(path: str):
     module, name = path.rsplit(".", 1)
     return getattr(importlib.import_module(module), name)

@@ -1,92 +1,29 @@
-"""torch.compile(fullgraph=True) and torch.export: every op traces as one graph node, with no
-graph break, and compiled outputs equal eager outputs."""
+"""Compilation beyond the per-sample suites of tests/test_cases.py: inductor-compiled graphs equal
+eager, and a module holding kv_prolog exports (static and dynamic sequence length) with the op as one node."""
 import expecttest
 import pytest
 import torch
 
 import mla_ops  # noqa: F401
 
-from utils import SMALL, paged_case, prolog_inputs, prolog_kwargs, rope_tables
-
-
-class GraphCapture:
-    """A torch.compile backend that records the FX graphs Dynamo hands over, then runs them."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def targets(self):
-        return [node.target for gm in self.graphs for node in gm.graph.nodes if node.op == "call_function"]
-
-
-def _cases():
-    d = SMALL
-    hidden, kv_a, kv_a_b, norm_w, kv_b, cos, sin = prolog_inputs(d, torch.float32, bias=True)
-    kc, vc, tables, cumsum, offsets = paged_case(10, 4, [5, 3], key_shape=(1, d.L), value_shape=(1, d.R),
-                                                 dtype=torch.float32, offsets=[4, 0], columns=4)
-    key, value = torch.zeros(8, 1, d.L), torch.zeros(8, 1, d.R)
-    q_latent, q_pe = torch.randn(2, d.N, d.L), torch.randn(2, d.N, d.R)
-    x = torch.randn(d.B, d.N, d.S, d.R)
-
-    def gather(kc, vc, tables, cumsum, offsets, key, value):
-        key, value = key.clone(), value.clone()
-        torch.ops.mla.gather_pa_kv_cache(kc, vc, tables, cumsum, key, value, seq_offset=offsets,
-                                         is_seq_lens_cumsum=True)
-        return key * 2, value
-
-    def scatter(key, value, kc, vc, slots):
-        kc, vc = kc.clone(), vc.clone()
-        torch.ops.mla.scatter_pa_kv_cache(key, value, kc, vc, slots)
-        return kc, vc + 1
-
-    return {
-        "rms_norm": (lambda x, w: torch.ops.mla.rms_norm(x, w, 1e-6) * 2, (hidden, torch.rand(d.H))),
-        "rope": (lambda x, c, s: torch.ops.mla.rope(x, c, s, layout="half") + 1, (x, cos, sin)),
-        "kv_prolog": (lambda *a: torch.ops.mla.kv_prolog(*a, **prolog_kwargs(d)),
-                      (hidden, kv_a, kv_a_b, norm_w, kv_b, cos, sin)),
-        "latent_kv_prolog": (lambda *a: torch.ops.mla.latent_kv_prolog(*a, eps=1e-5),
-                             (hidden, kv_a, None, norm_w, cos, sin)),
-        "gather_pa_kv_cache": (gather, (kc, vc, tables, cumsum, offsets, key, value)),
-        "gather_pa_kv_cache_functional": (
-            lambda *a: torch.ops.mla.gather_pa_kv_cache_functional(*a, is_seq_lens_cumsum=True),
-            (kc, vc, tables, cumsum, key, value)),
-        "scatter_pa_kv_cache": (scatter, (torch.randn(3, 1, d.L), torch.randn(3, 1, d.R), kc, vc,
-                                          torch.tensor([2, -1, 17]))),
-        "mla_decode_attention": (lambda *a: torch.ops.mla.mla_decode_attention(*a, 0.25),
-                                 (q_latent, q_pe, kc, vc, tables, torch.tensor([5, 3]))),
-    }
-
-
-CASES = _cases()
-
-
-@pytest.mark.parametrize("op", list(CASES))
-def test_fullgraph_compile_single_node_no_graph_break(op):
-    fn, args = CASES[op]
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(fn)(*args)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    assert explanation.graph_count == 1
-    capture = GraphCapture()
-    compiled = torch.compile(fn, backend=capture, fullgraph=True)
-    out = compiled(*args)
-    targets = capture.targets()
-    overload_packet = getattr(torch.ops.mla, op)
-    assert sum(t in (overload_packet, overload_packet.default) for t in targets) == 1, targets
-    torch.testing.assert_close(out, fn(*args), rtol=0, atol=0)
+from utils import rope_tables
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("op", ["kv_prolog", "gather_pa_kv_cache", "mla_decode_attention"])
-def test_inductor_compile_matches_eager(op):
-    fn, args = CASES[op]
+@pytest.mark.parametrize("op,name", [("kv_prolog", "small-bias-half"), ("gather_pa_kv_cache",
+                                                                        "cumsum-offset-uncovered-rows"),
+                                     ("mla_decode_attention", "ragged")])
+def test_inductor_compile_matches_eager(op, name):
+    """Inductor (not only Dynamo's graph capture, which tests/test_cases.py checks for every sample)
+    runs the op inside a compiled graph with eager's results."""
+    from mla_ops.testing import suites
+    from mla_ops.testing.cases import CASES
+
+    fn, tensors = suites.tensor_function(op, CASES[op].sample(torch.float32, name))
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-    torch.testing.assert_close(compiled(*args), fn(*args), rtol=0, atol=0)
+    for got, want in zip(compiled(*tensors), fn(*tensors)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 class KVProlog(torch.nn.Module):

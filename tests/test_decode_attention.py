@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 
 import mla_ops
 from mla_ops.ops.decode_attention import decode_sync_free
+from mla_ops.testing.oracles import mla_decode_attention_oracle
 
-from utils import materialized_decode_reference, paged_case
+from utils import paged_case
 
 
 def _case(dtype, lens, block_size=4, heads=4, lora=32, rope=8, seed=0):
@@ -23,7 +24,7 @@ def _case(dtype, lens, block_size=4, heads=4, lora=32, rope=8, seed=0):
 def test_matches_fp64_latent_attention(lens):
     args = _case(torch.float32, lens)
     out = mla_ops.mla_decode_attention(*args, softmax_scale=0.17)
-    expected = materialized_decode_reference(*args, 0.17)
+    expected = mla_decode_attention_oracle(*args, 0.17)[0]
     # fp32 scores/softmax/sum over <= 16 tokens of unit-scale data: errors of a few fp32 ulps.
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
 
@@ -98,8 +99,8 @@ def test_contiguous_blocks_read_without_a_gather_give_the_same_result(lens):
     out_gather = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache[perm], value_cache[perm], shuffled, seq_lens,
                                               0.4)
     assert torch.equal(out, out_gather)
-    torch.testing.assert_close(out.double(), materialized_decode_reference(
-        q_latent, q_pe, key_cache, value_cache, contiguous, seq_lens, 0.4), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.double(), mla_decode_attention_oracle(
+        q_latent, q_pe, key_cache, value_cache, contiguous, seq_lens, 0.4)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_device_path_matches_the_cpu_path_and_zeroes_padding_rows():
@@ -196,8 +197,8 @@ def test_an_inf_in_one_rows_latent_does_not_reach_a_row_whose_padding_ids_clamp_
     q_latent, q_pe = torch.randn(3, heads, lora, generator=g), torch.randn(3, heads, rope, generator=g)
     key_cache[0, 3, 0, 0] = float("inf")  # row 0 attends to it (6 tokens); its output may be non-finite
     out = decode_sync_free(q_latent, q_pe, key_cache, value_cache, tables, torch.tensor([6, 3, 0]), 0.3)
-    expected = materialized_decode_reference(q_latent[1:2], q_pe[1:2], key_cache, value_cache, tables[1:2],
-                                             torch.tensor([3]), 0.3)
+    expected = mla_decode_attention_oracle(q_latent[1:2], q_pe[1:2], key_cache, value_cache, tables[1:2],
+                                             torch.tensor([3]), 0.3)[0]
     torch.testing.assert_close(out[1:2].double(), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
@@ -221,7 +222,7 @@ def test_property_poisoned_unattended_slots_never_reach_any_output(data):
     key_cache = _poison_unattended(key_cache, tables, lens, poison)
     value_cache = _poison_unattended(value_cache, tables, lens, poison)
     seq_lens = torch.tensor(lens)
-    expected = materialized_decode_reference(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    expected = mla_decode_attention_oracle(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)[0]
     out = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
     # sync-free: one row turned into padding (length 0), garbage ids past every length
@@ -251,7 +252,7 @@ def test_poison_past_the_length_of_back_to_back_blocks(lens):
     key_cache = _poison_unattended(key_cache, tables, lens, float("nan"))
     value_cache = _poison_unattended(value_cache, tables, lens, float("inf"))
     out = mla_ops.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
-    expected = materialized_decode_reference(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)
+    expected = mla_decode_attention_oracle(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.3)[0]
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -273,8 +274,8 @@ def test_an_invalid_id_inside_a_length_contributes_nothing_on_the_sync_free_path
     q_latent, q_pe = torch.randn(3, heads, lora, generator=g), torch.randn(3, heads, rope, generator=g)
     out = decode_sync_free(q_latent, q_pe, key_cache, value_cache, tables, lens, 0.3)
     # rows 0 and 2 attend to exactly their valid positions: blocks [1, 2] for 6 tokens, [3, 4] for 8
-    expected = materialized_decode_reference(q_latent[[0, 2]], q_pe[[0, 2]], key_cache, value_cache,
-                                             torch.tensor([[1, 2], [3, 4]]), torch.tensor([6, 8]), 0.3)
+    expected = mla_decode_attention_oracle(q_latent[[0, 2]], q_pe[[0, 2]], key_cache, value_cache,
+                                             torch.tensor([[1, 2], [3, 4]]), torch.tensor([6, 8]), 0.3)[0]
     torch.testing.assert_close(out[[0, 2]].double(), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     with pytest.raises(ValueError, match="block_tables"):

@@ -1,9 +1,12 @@
 """Every multi-head latent attention family of the installed transformers, patched or refused.
 
 Each family is built from a tiny random config (tests/mla_families.py) and compared with the stock
-model: prefill logits bit-identical in fp32, greedy tokens equal (dense, and paged where the model
-is MLA in every layer), `torch.compile(fullgraph=True)` with the ops as graph nodes, revert back to
-stock. Families the patch must refuse (sparse-attention indexers) are refused with the reason.
+model: prefill logits bit-identical in fp32, bf16 and fp16 (dense and paged, the patch rounding RoPE
+where the stock forward does), greedy tokens equal (dense, and paged where the model is MLA in every
+layer), `torch.compile(fullgraph=True)` with the ops as graph nodes, revert back to stock. Every
+comparison also counts the mla ops that ran against what the config says they must be (per MLA layer
+and forward), so a path that silently fell back to stock code fails. Families the patch must refuse
+(sparse-attention indexers) are refused with the reason.
 """
 import json
 import subprocess
@@ -16,6 +19,7 @@ from mla_ops.integrations import transformers as patch
 from mla_ops.integrations.transformers import families
 
 import mla_families
+from utils import MlaCalls
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +31,19 @@ HYBRID = {"bailing_hybrid", "kimi_linear"}  # linear-attention layers beside the
 EXPECTED_ROPE = {"deepseek_v2": "interleaved", "deepseek_v3": "half", "axk1": "half", "glm4_moe_lite": "half",
                  "youtu": "half", "mistral4": "half", "bailing_hybrid": "half", "longcat_flash": "half",
                  "minicpm3": "neox", "kimi_linear": None}
+# Where each stock forward rounds its RoPE: DeepSeek-V2 multiplies complex fp32; the families on
+# DeepSeek-V3's forward rotate in the model's dtype; Kimi-Linear has none (NoPE: nothing to round).
+EXPECTED_ROUNDING = {f: "activation" for f in EXPECTED_ROPE} | {"deepseek_v2": "float32", "kimi_linear": "float32"}
+# LongCat-Flash scales the latent between kv_a_layernorm and kv_b_proj: the latent prolog, then kv_b.
+LATENT_PROLOG = {"longcat_flash"}
 PROMPT_LEN, NEW_TOKENS = 12, 6
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Prefill option sets (the paged cache is refused for the hybrids: see test_greedy_tokens_equal_to_stock).
+PREFILL_OPTIONS = {"kv_prolog+rope+rms_norm": dict(rope=True, rms_norm=True), "q_prolog": dict(q_prolog=True),
+                   "rope-only": dict(kv_prolog=False, rope=True), "paged": dict(rope=True, cache="paged")}
 
 
-def _model(family, attn="sdpa", seed=0, **overrides):
+def _model(family, attn="sdpa", seed=0, dtype=torch.float32, **overrides):
     config_path, model_path, kwargs = mla_families.FAMILIES[family]
     kwargs = {**kwargs, **overrides}
     torch.manual_seed(seed)
@@ -41,16 +54,50 @@ def _model(family, attn="sdpa", seed=0, **overrides):
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
-    return model
+    return model.to(dtype)
+
+
+def _rms_norms(model) -> int:
+    return sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+
+
+def expected_calls(family, model, options, forwards=1, decode_steps=0):
+    """The mla op calls a patched model must make: {op: count} for `forwards` forwards of which the last
+    `decode_steps` are paged decode steps, from the config (MLA layers, RoPE or NoPE) and the options,
+    never from a run. Per MLA layer and forward:
+
+    * dense: kv_prolog (latent_kv_prolog + the layer's kv_b for LongCat-Flash), unless kv_prolog=False;
+      q_prolog with q_prolog=True, else mla.rope on q_pe with rope=True (and on k_pe without
+      kv_prolog); NoPE rotates nothing;
+    * paged: latent_kv_prolog and scatter_pa_kv_cache every forward, q_pe through mla.rope, and
+      mla_decode_attention in every decode step (never a dense kv_prolog, never the stock cache);
+    * rms_norm=True: every RMSNorm module of the model once, except kv_a_layernorm (inside the prolog).
+    """
+    layers = mla_families.mla_layers(model.config)
+    per_forward = {}
+    if options.get("cache") == "paged":
+        per_forward = {"latent_kv_prolog": layers, "scatter_pa_kv_cache": layers, "rope": layers}
+        calls = {op: n * forwards for op, n in per_forward.items()}
+        return {**calls, "mla_decode_attention": layers * decode_steps} if decode_steps else calls
+    kv_prolog = options.get("kv_prolog", True)
+    if kv_prolog:
+        per_forward["latent_kv_prolog" if family in LATENT_PROLOG else "kv_prolog"] = layers
+    if options.get("q_prolog"):
+        per_forward["q_prolog"] = layers
+    elif options.get("rope") and EXPECTED_ROPE[family] is not None:
+        per_forward["rope"] = layers * (1 if kv_prolog else 2)
+    if options.get("rms_norm"):
+        per_forward["rms_norm"] = _rms_norms(model) - layers
+    return {op: n * forwards for op, n in per_forward.items()}
 
 
 def _prompt(batch=2, seed=1):
     return torch.randint(3, mla_families.VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
 
 
-def _greedy(model, ids):
+def _greedy(model, ids, **extra):
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          min_new_tokens=NEW_TOKENS, pad_token_id=0)
+                          min_new_tokens=NEW_TOKENS, pad_token_id=0, **extra)
 
 
 def _forwards(model):
@@ -75,6 +122,36 @@ def test_family_is_recognised_by_structure(family):
             assert fam.refused is None, (fam.name, fam.refused)
 
 
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_the_rounding_of_each_familys_rope_is_read_off_its_function(family):
+    """Which rope_compute_dtype reproduces the stock RoPE, found by running the family's RoPE function in
+    bf16 and fp16; DeepSeek-V3 rounds the same for either of its two functions (the config's choice)."""
+    model = _model(family)
+    fam = families.describe(type(next(m for m in model.modules() if families.is_mla_attention(m))))
+    assert fam.stock_rope_compute_dtype(model.config) == EXPECTED_ROUNDING[family]
+    if fam.rope == "config":
+        model.config.rope_interleave = not model.config.rope_interleave
+        assert fam.stock_rope_compute_dtype(model.config) == EXPECTED_ROUNDING[family]
+    assert set(dict(fam.rope_rounding).values()) <= {EXPECTED_ROUNDING[family]}
+
+
+def test_a_rope_function_no_rounding_reproduces_is_told_apart():
+    """A rotation rounding elsewhere (here: step by step in the other half type, fp16 for bf16 inputs and
+    bf16 for fp16 ones) matches neither compute dtype, so such a family keeps the fp32 rotation; the
+    layouts' own stock functions do match."""
+    from mla_ops.ops.rope import rope_math
+
+    def other_half_type(x, cos, sin):
+        other = torch.float16 if x.dtype == torch.bfloat16 else torch.bfloat16
+        return rope_math(x.to(other), cos.to(other), sin.to(other), "half", "activation").to(x.dtype)
+
+    assert families.matching_rope_compute_dtype(other_half_type, "half") is None
+    v3 = families.families_of("deepseek_v3")[0].modeling
+    assert families.stock_rope_rounding(v3, "apply_rotary_pos_emb_interleave") == "activation"
+    assert families.stock_rope_rounding(families.families_of("deepseek_v2")[0].modeling,
+                                        "apply_rotary_emb") == "float32"
+
+
 def test_a_rope_function_is_checked_by_what_it_computes_not_its_name():
     """HY-V4-VL names its RoPE `apply_rotary_pos_emb` like the rotate_half families, but rotates
     interleaved pairs in place: running it tells them apart (MiniCPM3's is the neox rotation)."""
@@ -97,41 +174,98 @@ def test_sparse_attention_families_are_refused_with_the_reason(family):
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
-@pytest.mark.parametrize("options", [dict(rope=True, rms_norm=True), dict(q_prolog=True),
-                                     dict(kv_prolog=False, rope=True)], ids=["kv_prolog+rope+rms_norm", "q_prolog",
-                                                                             "rope-only"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("options", list(PREFILL_OPTIONS))
 @pytest.mark.parametrize("family", SUPPORTED)
-def test_prefill_logits_bit_identical_fp32(family, options):
-    model = _model(family)
+def test_prefill_logits_bit_identical(family, options, dtype):
+    """One prefill forward, every dtype: the patch asks the ops to round RoPE where the stock forward does
+    (EXPECTED_ROUNDING), and every other step is stock's own arithmetic, so the logits are bit-identical
+    in bf16 and fp16 too — the paged prefill included (latent prolog, scatter, kv_b over the new tokens)."""
+    model = _model(family, dtype=DTYPES[dtype])
+    options = PREFILL_OPTIONS[options]
     if options.get("q_prolog") and family == "longcat_flash":
         with pytest.raises(ValueError, match="scales q between q_b_proj and RoPE"):
             patch.apply(model, **options)
         return
+    if options.get("cache") == "paged" and family in HYBRID:
+        return  # refused: test_greedy_tokens_equal_to_stock
     ids = _prompt()
     with torch.no_grad():
         expected = model(ids).logits
-        with patch.apply(model, **options) as handle:
+        with patch.apply(model, **options) as handle, MlaCalls() as calls:
             got = model(ids).logits
             assert handle.patched_modules >= 1
+    assert calls.counts == expected_calls(family, model, options)
     assert torch.equal(got, expected)
     described = families.describe(type(next(m for m in model.modules() if families.is_mla_attention(m))))
     assert described.rope_layout(model.config) == EXPECTED_ROPE[family]
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("cache", ["dense", "paged"])
 @pytest.mark.parametrize("family", SUPPORTED)
-def test_greedy_tokens_equal_to_stock(family, cache):
-    model = _model(family)
+def test_greedy_tokens_equal_to_stock(family, cache, dtype):
+    """generate(): a prefill and NEW_TOKENS - 1 decode steps. Same tokens; the prefill's logits
+    bit-identical. Dense bf16: every step's logits bit-identical as well (kv_b of the new token alone
+    rounds like stock's kv_b over the whole latent cache while it holds <= 36 tokens: see
+    tests/test_model_patch.py). The paged decode is absorbed (q_nope @ W_UK against the latent), which
+    rounds elsewhere than stock: bf16 checks its prefill logits and first token only (its decode bounds
+    are tests/test_paged_model.py's)."""
+    model = _model(family, dtype=DTYPES[dtype])
     ids = _prompt()
     if cache == "paged" and family in HYBRID:
         with pytest.raises(NotImplementedError, match="mixes MLA layers with layers of another kind"):
             patch.apply(model, cache="paged")
         return
+    options = dict(cache=cache, rope=True)
     with torch.no_grad():
-        expected = _greedy(model, ids)
-        with patch.apply(model, cache=cache, rope=True):
-            got = _greedy(model, ids)
-    assert torch.equal(got, expected)
+        expected = _greedy(model, ids, output_logits=True, return_dict_in_generate=True)
+        with patch.apply(model, **options), MlaCalls() as calls:
+            got = _greedy(model, ids, output_logits=True, return_dict_in_generate=True)
+    decode_steps = NEW_TOKENS - 1
+    assert calls.counts == expected_calls(family, model, options, forwards=NEW_TOKENS,
+                                          decode_steps=decode_steps if cache == "paged" else 0)
+    assert torch.equal(got.logits[0], expected.logits[0])
+    if cache == "paged" and dtype == "bf16":
+        assert torch.equal(got.sequences[:, :PROMPT_LEN + 1], expected.sequences[:, :PROMPT_LEN + 1])
+        return
+    assert torch.equal(got.sequences, expected.sequences)
+    if cache == "dense" and dtype == "bf16":
+        for step, (a, b) in enumerate(zip(got.logits, expected.logits)):
+            assert torch.equal(a, b), f"step {step}"
+
+
+class MlaRoundings(MlaCalls):
+    """MlaCalls that also records, per call, the RoPE rounding a rotating mla op was asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.roundings = []  # (op, compute dtype) per call, the schema default where none was passed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "mla" and name in ("rope", "kv_prolog", "latent_kv_prolog", "q_prolog"):
+            kwargs_ = kwargs or {}
+            self.roundings.append((name, kwargs_.get("compute_dtype", kwargs_.get("rope_compute_dtype", "float32"))))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_the_fp32_rotation_is_an_option(family):
+    """bf16: by default every rotating op rounds as the family's stock RoPE does; rope_compute_dtype="float32"
+    reaches every one of them, and then the logits of the families that round in bf16 move off stock's
+    (the fp32 rotation is the more accurate one, not the stock one)."""
+    model = _model(family, dtype=torch.bfloat16)
+    ids = _prompt()
+    with torch.no_grad():
+        expected = model(ids).logits
+        for rounding in ("stock", "float32"):
+            with patch.apply(model, rope=True, q_prolog=family not in LATENT_PROLOG,
+                             rope_compute_dtype=rounding), MlaRoundings() as calls:
+                got = model(ids).logits
+            wanted = EXPECTED_ROUNDING[family] if rounding == "stock" else "float32"
+            assert calls.roundings and {d for _, d in calls.roundings} == {wanted}, calls.roundings
+            assert torch.equal(got, expected) == (rounding == "stock" or EXPECTED_ROUNDING[family] == "float32")
 
 
 # The stock model itself does not trace whole with fullgraph=True (LongCat-Flash: its MoE loops over
@@ -199,8 +333,9 @@ def test_revert_restores_the_stock_model(family):
     assert torch.equal(got, expected)
 
 
-def test_deepseek_v3_without_rope_interleave_uses_the_neox_layout():
-    model = _model("deepseek_v3", rope_interleave=False)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_deepseek_v3_without_rope_interleave_uses_the_neox_layout(dtype):
+    model = _model("deepseek_v3", rope_interleave=False, dtype=DTYPES[dtype])
     ids = _prompt()
     with torch.no_grad():
         expected = model(ids).logits

@@ -1,5 +1,7 @@
-"""Goldens nobody here wrote: transformers' own DeepSeek-V2 modules (5.24.0) and the published
-hub remote-code RoPE formula. Bit-identical where the arithmetic is the same."""
+"""Goldens nobody here wrote: transformers' own DeepSeek-V2 / V3 modules (5.24.0) and the published
+hub remote-code RoPE formula. Bit-identical where the arithmetic is the same: DeepSeek-V2 rotates in
+fp32 (the ops' default rope_compute_dtype "float32"); DeepSeek-V3's RoPE functions and the hub code
+rotate in the model's dtype ("activation") — in every dtype, fp16 and bf16 included."""
 import pytest
 import torch
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
@@ -48,7 +50,8 @@ def test_rope_interleaved_bit_identical_to_apply_rotary_emb(dtype, batch, seq):
 def _remote_code_rope(x, cos_pairs, sin_pairs):
     """The hub remote code's apply_rotary_pos_emb for one tensor, from its published formula:
     de-interleave (view(b, h, s, d/2, 2).transpose(4, 3)), then x*cos + rotate_half(x)*sin with
-    cos = cat(freqs, freqs) — here for fp32, where it rotates in the input dtype like the original."""
+    cos = cat(freqs, freqs), in x's dtype like the original (its rotary embedding casts the tables)."""
+    cos_pairs, sin_pairs = cos_pairs.to(x.dtype), sin_pairs.to(x.dtype)
     b, h, s, d = x.shape
     x = x.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
     cos = torch.cat((cos_pairs, cos_pairs), dim=-1).unsqueeze(1)
@@ -67,6 +70,98 @@ def test_rope_half_equals_remote_code_formula(seq):
     # same rotated values as the interleaved layout, only permuted
     inter = mla_ops.rope(x, freqs_cis.real, freqs_cis.imag)
     assert torch.equal(torch.cat((inter[..., 0::2], inter[..., 1::2]), -1), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=dtype_ids + ["fp16"])
+def test_rope_half_in_the_activation_dtype_equals_remote_code_formula(dtype):
+    """The hub code in a bf16 / fp16 model: tables cast to the model's dtype, every product and sum
+    rounded to it. compute_dtype="activation" gives its bits; the fp32 rotation does not (in half types)."""
+    config = lite_attn_config()
+    freqs_cis = _rotary(config, 2, 9, offset=5)
+    x = torch.randn(2, 16, 9, 64).to(dtype)
+    cos, sin = freqs_cis.real.to(dtype), freqs_cis.imag.to(dtype)  # what its rotary embedding hands over
+    expected = _remote_code_rope(x, cos, sin)
+    assert torch.equal(mla_ops.rope(x, cos, sin, layout="half", compute_dtype="activation"), expected)
+    assert torch.equal(mla_ops.rope(x, cos, sin, layout="half"), expected) == (dtype == torch.float32)
+
+
+def _v3_config(**overrides):
+    from transformers import DeepseekV3Config
+
+    params = dict(vocab_size=64, hidden_size=256, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=128,
+                  qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+                  rope_interleave=True)
+    return DeepseekV3Config(**{**params, **overrides})
+
+
+def _v3_tables(config, dtype, batch, seq, offset=0):
+    """DeepseekV3RotaryEmbedding's (cos, sin) [B, S, R] = cat(per-pair, per-pair), in `dtype` as it returns them."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    positions = (torch.arange(seq) + offset)[None].expand(batch, seq)
+    return v3.DeepseekV3RotaryEmbedding(config)(torch.empty(0, dtype=dtype), positions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=dtype_ids + ["fp16"])
+@pytest.mark.parametrize("function,layout", [("apply_rotary_pos_emb_interleave", "half"),
+                                             ("apply_rotary_pos_emb", "neox")])
+def test_rope_in_the_activation_dtype_bit_identical_to_deepseek_v3(function, layout, dtype):
+    """DeepSeek-V3's two RoPE functions (rope_interleave=True / False; every family built on its forward
+    uses one of them) in the model's dtype."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    config = _v3_config()
+    cos, sin = _v3_tables(config, dtype, 3, 7, offset=11)
+    q_pe = torch.randn(3, 16, 7, 64).to(dtype)
+    k_pe = torch.randn(3, 1, 7, 64).to(dtype)
+    q_ref, k_ref = getattr(v3, function)(q_pe, k_pe, cos, sin)
+    half = cos.shape[-1] // 2
+    pairs = cos[..., :half], sin[..., :half]
+    assert torch.equal(mla_ops.rope(q_pe, *pairs, layout=layout, compute_dtype="activation"), q_ref)
+    assert torch.equal(mla_ops.rope(k_pe, *pairs, layout=layout, compute_dtype="activation"), k_ref)
+
+
+def _v3_stock_kv_path(attn, hidden, cos, sin):
+    """transformers' own DeepseekV3Attention KV path (forward's prolog + expand_kv), no cache."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    batch, seq, _ = hidden.shape
+    kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    latent = attn.kv_a_layernorm(kv_nope).view(batch, 1, seq, attn.kv_lora_rank)
+    k_rot = k_rot.view(batch, 1, seq, attn.qk_rope_head_dim)
+    _, k_rot = v3.apply_rotary_pos_emb_interleave(k_rot, k_rot, cos, sin)
+    key_states, value_states = attn.expand_kv(latent, k_rot)
+    return key_states[..., : attn.qk_nope_head_dim], value_states, k_rot, latent
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=dtype_ids + ["fp16"])
+@pytest.mark.parametrize("seq", [1, 9])
+def test_prologs_in_the_activation_dtype_bit_identical_to_deepseek_v3_attention(dtype, seq):
+    """mla.kv_prolog / mla.latent_kv_prolog with rope_layout="half", rope_compute_dtype="activation"
+    against DeepseekV3Attention's own modules: every output, every dtype."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    config = _v3_config()
+    torch.manual_seed(2)
+    attn = v3.DeepseekV3Attention(config, layer_idx=0).to(dtype).eval()
+    with torch.no_grad():
+        attn.kv_a_layernorm.weight.copy_(1 + 0.1 * torch.randn(config.kv_lora_rank))
+    hidden = torch.randn(2, seq, config.hidden_size).to(dtype)
+    cos, sin = _v3_tables(config, dtype, 2, seq, offset=4)
+    half = config.qk_rope_head_dim // 2
+    kv_a, norm = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm
+    options = dict(eps=norm.variance_epsilon, rope_layout="half", rope_compute_dtype="activation")
+    with torch.no_grad():
+        k_nope_ref, value_ref, k_pe_ref, latent_ref = _v3_stock_kv_path(attn, hidden, cos, sin)
+        k_nope, value, k_pe = mla_ops.kv_prolog(
+            hidden, kv_a.weight, kv_a.bias, norm.weight, attn.kv_b_proj.weight, cos[..., :half], sin[..., :half],
+            num_heads=config.num_attention_heads, qk_nope_head_dim=config.qk_nope_head_dim,
+            v_head_dim=config.v_head_dim, **options)
+        latent, k_pe_latent = mla_ops.latent_kv_prolog(hidden, kv_a.weight, kv_a.bias, norm.weight, cos[..., :half],
+                                                       sin[..., :half], **options)
+    assert torch.equal(k_nope, k_nope_ref) and torch.equal(value, value_ref) and torch.equal(k_pe, k_pe_ref)
+    assert torch.equal(latent, latent_ref.squeeze(1)) and torch.equal(k_pe_latent, k_pe_ref.squeeze(1))
 
 
 def _stock_kv_path(attn, hidden, freqs_cis):

@@ -49,17 +49,19 @@ def test_gather_schema_matches_torch_npu():
 # The schemas as the design document (docs/design.md) writes them, restated independently of the op modules.
 CONTRACT_SCHEMAS = {
     "rms_norm": "mla::rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> Tensor",
-    "rope": 'mla::rope(Tensor x, Tensor cos, Tensor sin, *, str layout="interleaved") -> Tensor',
+    "rope": 'mla::rope(Tensor x, Tensor cos, Tensor sin, *, str layout="interleaved", str compute_dtype="float32") '
+            "-> Tensor",
     "kv_prolog": "mla::kv_prolog(Tensor hidden_states, Tensor kv_a_weight, Tensor? kv_a_bias, Tensor kv_norm_weight, "
                  "Tensor kv_b_weight, Tensor cos, Tensor sin, *, int num_heads, int qk_nope_head_dim, "
-                 'int v_head_dim, float eps=1e-6, str rope_layout="interleaved") '
+                 'int v_head_dim, float eps=1e-6, str rope_layout="interleaved", str rope_compute_dtype="float32") '
                  "-> (Tensor k_nope, Tensor value, Tensor k_pe)",
     "q_prolog": "mla::q_prolog(Tensor hidden_states, Tensor? q_a_weight, Tensor? q_a_bias, Tensor? q_norm_weight, "
                 "Tensor q_b_weight, Tensor cos, Tensor sin, *, int num_heads, int qk_nope_head_dim, float eps=1e-6, "
-                'str rope_layout="interleaved") -> (Tensor q_nope, Tensor q_pe)',
+                'str rope_layout="interleaved", str rope_compute_dtype="float32") -> (Tensor q_nope, Tensor q_pe)',
     "latent_kv_prolog": "mla::latent_kv_prolog(Tensor hidden_states, Tensor kv_a_weight, Tensor? kv_a_bias, "
                         "Tensor kv_norm_weight, Tensor cos, Tensor sin, *, float eps=1e-6, "
-                        'str rope_layout="interleaved") -> (Tensor latent, Tensor k_pe)',
+                        'str rope_layout="interleaved", str rope_compute_dtype="float32") '
+                        "-> (Tensor latent, Tensor k_pe)",
     "scatter_pa_kv_cache": "mla::scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
                            "Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
     "mla_decode_attention": "mla::mla_decode_attention(Tensor q_latent, Tensor q_pe, Tensor key_cache, "

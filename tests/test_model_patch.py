@@ -285,7 +285,26 @@ def test_bad_arguments():
         patch.apply(torch.nn.Linear(2, 2), kv_prolog=False, rms_norm=True)
     with pytest.raises(ValueError, match="nothing to patch: kv_prolog, q_prolog, rope and rms_norm are all False"):
         patch.apply(kv_prolog=False)
+    with pytest.raises(ValueError, match=r"rope_compute_dtype must be one of \('stock', 'float32', 'activation'\) "
+                                         r".* got 'bf16'"):
+        patch.apply(build_model(tiny_config()), rope_compute_dtype="bf16")
     assert not patch.active_patches()
+
+
+@pytest.mark.parametrize("rounding", ["stock", "float32", "activation"])
+def test_deepseek_v2_rotates_in_fp32_unless_told_otherwise(rounding):
+    """transformers' DeepSeek-V2 multiplies complex fp32 (apply_rotary_emb): "stock" is the fp32
+    rotation there, so bf16 logits are stock's for "stock" and "float32"; "activation" (rounding every
+    step in bf16, as DeepSeek-V3 does) is then not DeepSeek-V2's arithmetic and moves them."""
+    config = tiny_config()
+    model = build_model(config, torch.bfloat16, "sdpa")
+    ids = random_prompt(config, batch=2, length=19)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with patch.apply(model, rope=True, rope_compute_dtype=rounding) as handle:
+            got = model(ids).logits
+    assert handle.options.rope_compute_dtype == rounding
+    assert torch.equal(got, expected) == (rounding != "activation")
 
 
 def test_top_level_shortcut():

@@ -36,6 +36,7 @@ from utils import MlaCalls  # noqa: E402
 pytestmark = pytest.mark.slow
 
 CHECKPOINTS = {"tiny": hub.TINY, "tiny-q-lora": {**hub.TINY, "q_lora_rank": 48}, "lite-attn": hub.LITE_ATTN}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ENV = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 ENV.pop("MODEL_PATH", None)
 
@@ -111,13 +112,16 @@ def test_the_saved_checkpoint_loads_offline_through_its_own_code(checkpoint):
     assert len(AutoTokenizer.from_pretrained(directory, local_files_only=True)) == model.config.vocab_size
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 @pytest.mark.parametrize("rope", [False, True], ids=["stock-q-rope", "mla-rope"])
-def test_prefill_logits_fp32_bit_identical(checkpoint, name, rope):
-    """fp32, a left-padded batch through the whole model: the hub code rotates in fp32 from fp32 tables
-    and runs kv_b on every new token, exactly what mla.kv_prolog(rope_layout="half") does, so every
-    layer's hidden states and the logits are bit-identical; the ops really ran (counted)."""
-    model = load(checkpoint(name))
+def test_prefill_logits_bit_identical(checkpoint, name, rope, dtype):
+    """A left-padded batch through the whole model, in fp32, bf16 (the checkpoint's dtype) and fp16: the
+    hub code rotates in the model's dtype from tables cast to it and runs kv_b on every new token, which
+    is what mla.kv_prolog(rope_layout="half", rope_compute_dtype="activation") does (the patch reads that
+    rounding off the code's apply_rotary_pos_emb), so every layer's hidden states and the logits are
+    bit-identical; the ops really ran (counted)."""
+    model = load(checkpoint(name), DTYPES[dtype])
     ids, mask = prompt_batch(model)
     layers = model.config.num_hidden_layers
     with torch.no_grad():
@@ -133,13 +137,15 @@ def test_prefill_logits_fp32_bit_identical(checkpoint, name, rope):
     assert torch.equal(got.logits, expected.logits)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["tiny", "lite-attn"])
-def test_greedy_generate_matches_stock_with_the_4x_dynamic_cache(checkpoint, name):
+def test_greedy_generate_matches_stock_with_the_4x_dynamic_cache(checkpoint, name, dtype):
     """generate() on a left-padded batch of chat prompts: the hub code's prepare_inputs_for_generation,
     4.x's DynamicCache, position_ids from the mask. Same tokens, same per-step scores, and the cache
-    holds the same full K [B, N, T, P+R] (k_pe de-interleaved) and V [B, N, T, V] bit for bit."""
+    holds the same full K [B, N, T, P+R] (k_pe de-interleaved) and V [B, N, T, V] bit for bit — in bf16
+    too (like the patch, the hub code runs kv_b on the new tokens only and caches the full K/V)."""
     directory = checkpoint(name)
-    model = load(directory)
+    model = load(directory, DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     tokenizer.padding_side = "left"
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
@@ -181,8 +187,9 @@ def _teacher_forced(model, ids, prefill):
     return torch.cat(logits, dim=1), cache
 
 
-def test_decode_through_the_legacy_tuple_cache_fp32_bit_identical(checkpoint):
-    model = load(checkpoint("tiny-q-lora"))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_through_the_legacy_tuple_cache_bit_identical(checkpoint, dtype):
+    model = load(checkpoint("tiny-q-lora"), DTYPES[dtype])
     ids = torch.randint(3, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, expected_cache = _teacher_forced(model, ids, 9)
@@ -195,15 +202,16 @@ def test_decode_through_the_legacy_tuple_cache_fp32_bit_identical(checkpoint):
         assert k.shape[2] == 14 and torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
-def test_bf16_is_as_accurate_as_stock(checkpoint):
-    """bf16 (V2-Lite's attention dims): the hub code rotates in bf16 with bf16 cos/sin tables and rounds
-    its norm and projections in bf16; mla rotates in fp32 from the same tables and fuses the norm, so
-    each rotated value differs by up to an ulp and the MoE router can then pick another expert for a
-    token near a tie (a single logit then moves by up to ~0.5, measured). What holds: against the fp32
-    model with the same weights the patched bf16 logits are as accurate as stock bf16's (mean abs error
-    ratio 0.74-1.14 over 20 seeds on two checkpoints: bound 1.3), and their median distance from stock
-    is below one bf16 ulp of the logits (|x| in [2, 4): 2**-6; measured ~0.004). A wrong rotation or
-    cache entry moves the logits by their own size (~1), far outside both bounds."""
+def test_bf16_is_bit_identical_and_the_fp32_rotation_as_accurate_as_stock(checkpoint):
+    """bf16 (V2-Lite's attention dims), a prefill then teacher-forced decode steps. By default the patch
+    rotates as the hub code does (in bf16 from bf16 tables, each product and sum rounded): every logit
+    bit-identical to stock's. With rope_compute_dtype="float32" it rotates in fp32 from the same tables,
+    so each rotated value differs by up to an ulp and the MoE router can then pick another expert for a
+    token near a tie (a single logit then moves by up to ~0.5, measured). What holds there: against the
+    fp32 model with the same weights its bf16 logits are as accurate as stock bf16's (mean abs error
+    ratio 0.74-1.14 over 20 seeds on two checkpoints: bound 1.3), and their median distance from stock is
+    below one bf16 ulp of the logits (|x| in [2, 4): 2**-6; measured 0.004-0.008 over 4 checkpoints). A
+    wrong rotation or cache entry moves the logits by their own size (~1), far outside both bounds."""
     directory = checkpoint("lite-attn")
     reference, model = load(directory, torch.float32), load(directory, torch.bfloat16)
     ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -211,7 +219,12 @@ def test_bf16_is_as_accurate_as_stock(checkpoint):
         exact, _ = _teacher_forced(reference, ids, 16)
         stock, _ = _teacher_forced(model, ids, 16)
         with patch.apply(model, rope=True, rms_norm=True):
+            same, _ = _teacher_forced(model, ids, 16)
+        with patch.apply(model, rope=True, rms_norm=True, rope_compute_dtype="float32"), MlaCalls() as calls:
             got, _ = _teacher_forced(model, ids, 16)
+    assert torch.equal(same, stock)
+    assert calls.counts["kv_prolog"] == calls.counts["rope"] == model.config.num_hidden_layers * 9
+    assert not torch.equal(got, stock)  # the option reached the ops
     stock_error, got_error = (stock - exact).abs().mean(), (got - exact).abs().mean()
     assert got_error <= 1.3 * stock_error, (got_error, stock_error)
     assert (got - stock).abs().median() <= 2 ** -6

@@ -185,20 +185,33 @@ def test_graph_mode_refuses_ge_with_the_reason():
 def test_selftest_on_the_standin_npu():
     """Every npu row of `mla-ops selftest --device 0` on the stand-in except generate: transformers
     takes accelerator-only paths for a non-CPU device (its MoE calls torch.histc on integer tensors,
-    which the stand-in's CPU kernels lack), and graph mode cannot compile under a dispatch mode."""
+    which the stand-in's CPU kernels lack), and graph mode cannot compile under a dispatch mode.
+    Every op of the case database runs on the npu device (the npu kernels where they serve, the
+    reference kernels' sync-free paths elsewhere) against the reference kernel on the CPU and the
+    oracle; the host time is reported, not judged."""
+    from mla_ops.testing.cases import CASES
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STANDIN), str(ROOT)]), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     out = subprocess.run([sys.executable, str(STANDIN / "run_with_standin.py"), "selftest", "--device", "0",
                           "--no-generate"], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     table = out.stdout.split("check ", 1)[1]
-    for row in ("bound on PrivateUse1: kv_prolog", "kv_prolog npu T=1 bf16 interleaved", "kv_prolog npu T=17 fp16 half",
-                "gather_pa_kv_cache npu seq_offset", "kv_prolog graph capture + replay", "host time per kv_prolog"):
-        line = next(line for line in table.splitlines() if line.startswith(row))
-        assert " PASS " in line, line
-    assert "equal to torch_npu.npu_gather_pa_kv_cache" in table
-    t1 = next(line for line in table.splitlines() if line.startswith("kv_prolog npu T=16 bf16 half"))
-    t17 = next(line for line in table.splitlines() if line.startswith("kv_prolog npu T=17 bf16 half"))
-    assert "fused" in t1 and "baseline" in t17
+    lines = table.splitlines()
+
+    def row(check):
+        return next(line for line in lines if line.startswith(check + " "))
+
+    for check in ("bound on PrivateUse1: kv_prolog", "kv_prolog path T=1 bf16 interleaved",
+                  "kv_prolog path T=17 fp16 half", "kv_prolog graph capture + replay"):
+        assert " PASS " in row(check), row(check)
+    for op, cases in CASES.items():
+        for name in cases.selftest:
+            assert " PASS " in row(f"{op} {name} bf16"), row(f"{op} {name} bf16")
+    assert "PASS     npu (" in row("kv_prolog v2lite bf16")
+    assert "PASS     reference;" in row("mla_decode_attention v2lite-ragged bf16")
+    assert "equal to torch_npu.npu_gather_pa_kv_cache" in row("gather_pa_kv_cache cumsum-offset-uncovered-rows bf16")
+    assert " INFO " in row("host time per kv_prolog call")
+    assert "fused" in row("kv_prolog path T=16 bf16 half") and "baseline" in row("kv_prolog path T=17 bf16 half")
 
 
 def test_npu_rms_norm_takes_the_strided_latent_view_without_a_copy():

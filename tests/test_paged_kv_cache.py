@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 import mla_ops
 from mla_ops.ops.gather_pa_kv_cache import gather_sync_free
 from mla_ops.ops.scatter_pa_kv_cache import scatter_sync_free
+from mla_ops.testing.oracles import gather_pa_kv_cache_oracle, scatter_pa_kv_cache_oracle
 
-from utils import gather_loop_reference, paged_case, scatter_loop_reference
+from utils import paged_case
 
 # The original sample's network sweep (cann/pypto-gym, GatherPaKvCache tests): Q=4 with these totals,
 # and Q=3 with 44 tokens.
@@ -62,8 +63,8 @@ def test_gather_sample_sweep_levels(network_caches, num_seqs, total, cumsum_mode
     seq_lens = cumsum if cumsum_mode else torch.tensor(lens, dtype=torch.int32)
     key = random_bits_cache(total + 3, 1, 512, seed=3)  # 3 rows past the end: must stay untouched
     value = random_bits_cache(total + 3, 1, 64, seed=4)
-    exp_key, exp_value = gather_loop_reference(key_cache, value_cache, tables, seq_lens, key, value, offsets,
-                                               cumsum_mode)
+    exp_key, exp_value = gather_pa_kv_cache_oracle(key_cache, value_cache, tables, seq_lens, key, value,
+                                                   seq_offset=offsets, is_seq_lens_cumsum=cumsum_mode)
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, seq_lens, key, value, seq_offset=offsets,
                                      is_seq_lens_cumsum=cumsum_mode)
     assert torch.equal(bits(key), bits(exp_key)) and torch.equal(bits(value), bits(exp_value))
@@ -83,7 +84,8 @@ def test_gather_targeted_shapes(name, key_shape, value_shape):
     lens, tables, cumsum, offsets = sweep_case(2, 6, 64, seed=7)
     key = torch.zeros(6, *key_shape, dtype=torch.bfloat16)
     value = torch.zeros(6, *value_shape, dtype=torch.bfloat16)
-    exp = gather_loop_reference(key_cache, value_cache, tables, cumsum, key, value, offsets, True)
+    exp = gather_pa_kv_cache_oracle(key_cache, value_cache, tables, cumsum, key, value, seq_offset=offsets,
+                                    is_seq_lens_cumsum=True)
     out = torch.ops.mla.gather_pa_kv_cache_functional(key_cache, value_cache, tables, cumsum, key, value,
                                                       seq_offset=offsets, is_seq_lens_cumsum=True)
     assert torch.equal(bits(out[0]), bits(exp[0])) and torch.equal(bits(out[1]), bits(exp[1]))
@@ -96,7 +98,8 @@ def test_gather_tail_blocks_offsets_and_uncovered_rows(dtype):
         16, 4, [5, 0, 4, 9, 1], key_shape=(2, 3), value_shape=(1, 5), dtype=dtype, offsets=[4, 0, 8, 0, 12],
         columns=6)
     key, value = torch.full((25, 2, 3), 7.0, dtype=dtype), torch.full((25, 1, 5), 7.0, dtype=dtype)
-    exp = gather_loop_reference(key_cache, value_cache, tables, cumsum, key, value, offsets, True)
+    exp = gather_pa_kv_cache_oracle(key_cache, value_cache, tables, cumsum, key, value, seq_offset=offsets,
+                                    is_seq_lens_cumsum=True)
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, cumsum, key, value, seq_offset=offsets,
                                      is_seq_lens_cumsum=True)
     assert torch.equal(key, exp[0]) and torch.equal(value, exp[1])
@@ -109,7 +112,8 @@ def test_gather_int64_indices_and_noncontiguous_output():
     key_big = torch.zeros(9, 1, 16)
     key = key_big[..., ::2]  # strided output
     value = torch.zeros(9, 1, 4)
-    exp = gather_loop_reference(key_cache, value_cache, tables, cumsum, key, value, None, True)
+    exp = gather_pa_kv_cache_oracle(key_cache, value_cache, tables, cumsum, key, value, seq_offset=None,
+                                    is_seq_lens_cumsum=True)
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables.long(), cumsum.long(), key, value,
                                      is_seq_lens_cumsum=True)
     assert torch.equal(key, exp[0]) and torch.equal(value, exp[1])
@@ -152,7 +156,8 @@ def test_gather_property_random_tables(data):
             read[int(tables[q, first_col + t // block_size]), t % block_size] = True
     poison = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
     key_cache[~read], value_cache[~read] = poison, poison
-    exp = gather_loop_reference(key_cache, value_cache, tables, seq_lens, key, value, offs, cumsum_mode)
+    exp = gather_pa_kv_cache_oracle(key_cache, value_cache, tables, seq_lens, key, value, seq_offset=offs,
+                                    is_seq_lens_cumsum=cumsum_mode)
     out_key, out_value = key.clone(), value.clone()
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, seq_lens, out_key, out_value,
                                      seq_offset=offs, is_seq_lens_cumsum=cumsum_mode)
@@ -169,7 +174,7 @@ def test_scatter_against_loop_with_padding(dtype):
     value_cache = torch.randn(6, 4, 1, 2).to(dtype)
     slots = torch.tensor([5, -1, 0, 23, -7, 12], dtype=torch.int32)
     key, value = torch.randn(6, 1, 8).to(dtype), torch.randn(6, 1, 2).to(dtype)
-    exp = scatter_loop_reference(key, value, key_cache, value_cache, slots)
+    exp = scatter_pa_kv_cache_oracle(key, value, key_cache, value_cache, slots)
     dev = key_cache.clone(), value_cache.clone()
     torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, exp[0]) and torch.equal(value_cache, exp[1])
@@ -256,7 +261,7 @@ def test_scatter_block_wise_paths_match_the_loop(layout):
     key, value = torch.randn(len(slots), 2, 3, generator=g), torch.randn(len(slots), 1, 5, generator=g)
     key_cache = torch.randn(num_blocks, block_size, 2, 3, generator=g)
     value_cache = torch.randn(num_blocks, block_size, 1, 5, generator=g)
-    expected = scatter_loop_reference(key, value, key_cache, value_cache, slots)
+    expected = scatter_pa_kv_cache_oracle(key, value, key_cache, value_cache, slots)
     torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
 
@@ -271,7 +276,8 @@ def test_gather_block_wise_path_with_aligned_sequences(contiguous_output):
         key, value = torch.full((23, 2, 3), 5.0), torch.full((23, 1, 5), 5.0)
     else:
         key, value = torch.full((23, 2, 6), 5.0)[..., ::2], torch.full((23, 1, 5), 5.0)
-    expected = gather_loop_reference(key_cache, value_cache, tables, cumsum, key, value, offsets, True)
+    expected = gather_pa_kv_cache_oracle(key_cache, value_cache, tables, cumsum, key, value, seq_offset=offsets,
+                                         is_seq_lens_cumsum=True)
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, cumsum, key, value, seq_offset=offsets,
                                      is_seq_lens_cumsum=True)
     assert torch.equal(key, expected[0]) and torch.equal(value, expected[1])
@@ -304,7 +310,7 @@ def test_gather_any_cache_and_output_layout(layout, path):
 
     key_cache, value_cache, tables, cumsum, _ = paged_case(12, 4, [8, 5, 9], key_shape=(1, 6), value_shape=(1, 2))
     key, value = torch.zeros(22, 1, 6, dtype=torch.bfloat16), torch.zeros(22, 1, 2, dtype=torch.bfloat16)
-    expected = gather_loop_reference(key_cache, value_cache, tables, cumsum, key, value, is_seq_lens_cumsum=True)
+    expected = gather_pa_kv_cache_oracle(key_cache, value_cache, tables, cumsum, key, value, is_seq_lens_cumsum=True)
     kc, vc, k, v = (_layout(t, layout) for t in (key_cache, value_cache, key, value))
     if path == "cpu":
         torch.ops.mla.gather_pa_kv_cache(kc, vc, tables, cumsum, k, v, is_seq_lens_cumsum=True)
@@ -326,7 +332,7 @@ def test_scatter_any_cache_and_source_layout(layout, path):
     slots = torch.tensor([12, 13, 14, 15, 20, 21, 22, 23, -1, 33, 34, 2])
     key = torch.randn(12, 1, 6, generator=g).to(torch.bfloat16)
     value = torch.randn(12, 1, 2, generator=g).to(torch.bfloat16)
-    expected = scatter_loop_reference(key, value, key_cache, value_cache, slots)
+    expected = scatter_pa_kv_cache_oracle(key, value, key_cache, value_cache, slots)
     kc, vc, k, v = (_layout(t, layout) for t in (key_cache, value_cache, key, value))
     if path == "cpu":
         mla_ops.scatter_pa_kv_cache(k, v, kc, vc, slots)

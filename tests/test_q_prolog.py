@@ -35,9 +35,11 @@ KW = dict(num_heads=N, qk_nope_head_dim=P)
 
 @pytest.mark.parametrize("lora", [True, False], ids=["q_lora", "q_proj"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", ["interleaved", "half"])
-def test_opcheck(lora, dtype, layout):
-    opcheck(torch.ops.mla.q_prolog.default, q_inputs(dtype, lora=lora), dict(KW, rope_layout=layout))
+@pytest.mark.parametrize("layout,rounding", [("interleaved", "float32"), ("half", "float32"), ("half", "activation"),
+                                             ("neox", "activation")])
+def test_opcheck(lora, dtype, layout, rounding):
+    opcheck(torch.ops.mla.q_prolog.default, q_inputs(dtype, lora=lora),
+            dict(KW, rope_layout=layout, rope_compute_dtype=rounding))
 
 
 def _deepseek_v2_attention(q_lora_rank, dtype):
@@ -77,39 +79,48 @@ def test_bit_identical_to_deepseek_v2_query_path(q_lora_rank, dtype):
     assert torch.equal(q_pe_out, q_pe_ref)
 
 
-def test_bit_identical_to_deepseek_v3_interleaved_rope_in_fp32():
-    """DeepSeek-V3 with rope_interleave=True rotates the interleaved pairs and writes them
-    de-interleaved (`apply_rotary_pos_emb_interleave`): rope_layout="half". It computes in the
-    activation dtype, so bit-identity holds in fp32 (where the arithmetic is the same)."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleave", [True, False], ids=["rope_interleave", "rotate_half"])
+def test_bit_identical_to_deepseek_v3_query_path_in_its_dtype(interleave, dtype):
+    """DeepSeek-V3 rotates in the activation dtype: with rope_interleave=True the interleaved pairs,
+    written de-interleaved (`apply_rotary_pos_emb_interleave`, rope_layout="half"), else rotate_half
+    pairs (`apply_rotary_pos_emb`, "neox"). rope_compute_dtype="activation" gives its bits in every dtype."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
     config = DeepseekV3Config(vocab_size=64, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
                               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                              n_routed_experts=4, num_experts_per_tok=2, rope_interleave=True)
+                              n_routed_experts=4, num_experts_per_tok=2, rope_interleave=interleave)
     torch.manual_seed(0)
-    attn = hf.DeepseekV3Attention(config, layer_idx=0).eval()
+    attn = hf.DeepseekV3Attention(config, layer_idx=0).to(dtype).eval()
     rotary = hf.DeepseekV3RotaryEmbedding(config)
-    hidden = torch.randn(2, 6, 48)
-    cos_full, sin_full = rotary(hidden, torch.arange(6)[None].expand(2, -1))
+    hidden = torch.randn(2, 6, 48).to(dtype)
+    cos_full, sin_full = rotary(hidden, torch.arange(6)[None].expand(2, -1))  # in hidden's dtype
+    function = hf.apply_rotary_pos_emb_interleave if interleave else hf.apply_rotary_pos_emb
     with torch.no_grad():
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden))).view(2, 6, -1, attn.qk_head_dim).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-        q_rot_ref, _ = hf.apply_rotary_pos_emb_interleave(q_rot, q_rot[:, :1], cos_full, sin_full)
+        q_rot_ref, _ = function(q_rot, q_rot[:, :1], cos_full, sin_full)
         half = config.qk_rope_head_dim // 2
         q_nope, q_pe = mla_ops.q_prolog(hidden, attn.q_a_proj.weight, attn.q_a_proj.bias, attn.q_a_layernorm.weight,
                                         attn.q_b_proj.weight, cos_full[..., :half], sin_full[..., :half],
                                         num_heads=4, qk_nope_head_dim=16, eps=attn.q_a_layernorm.variance_epsilon,
-                                        rope_layout="half")
+                                        rope_layout="half" if interleave else "neox", rope_compute_dtype="activation")
     assert torch.equal(q_nope, q_pass) and torch.equal(q_pe, q_rot_ref)
 
 
-@pytest.mark.parametrize("lora,bias", [(True, True), (False, False)], ids=["q_lora_bias", "q_proj"])
-@pytest.mark.parametrize("layout", ["interleaved", "half"])
-def test_gradcheck(lora, bias, layout):
+@pytest.mark.parametrize("lora,bias,layout,rounding", [(True, True, "interleaved", "float32"),
+                                                        (False, False, "interleaved", "float32"),
+                                                        (True, True, "half", "float32"),
+                                                        (False, False, "half", "float32"),
+                                                        (True, False, "neox", "activation")],
+                         ids=["q_lora_bias-interleaved", "q_proj-interleaved", "q_lora_bias-half", "q_proj-half",
+                              "q_lora-neox-activation"])
+def test_gradcheck(lora, bias, layout, rounding):
+    """fp64 is its own activation dtype, so "activation" is checked against the same exact gradient."""
     args = tuple(a for a in q_inputs(torch.float64, lora=lora, bias=bias, requires_grad=True, batched_tables=False))
-    assert gradcheck(lambda *a: mla_ops.q_prolog(*a, **KW, rope_layout=layout), args)
+    assert gradcheck(lambda *a: mla_ops.q_prolog(*a, **KW, rope_layout=layout, rope_compute_dtype=rounding), args)
 
 
 def test_one_graph_node_under_compile():
@@ -145,3 +156,9 @@ def test_bad_inputs_name_the_argument(change, message):
     args.update(change)
     with pytest.raises(RuntimeError, match=r"mla.q_prolog: " + message):
         mla_ops.q_prolog(*args.values(), **KW)
+
+
+def test_a_bad_rope_compute_dtype_names_the_argument_and_the_values():
+    with pytest.raises(RuntimeError, match=r"mla.q_prolog: rope_compute_dtype must be one of \('float32', "
+                                           r"'activation'\) .* got 'bfloat16'"):
+        mla_ops.q_prolog(*q_inputs(), **KW, rope_compute_dtype="bfloat16")

@@ -14,8 +14,9 @@ Backends (modules of this package):
 * ``npu`` — Ascend NPU: torch_npu ops + PyPTO kernels, on PrivateUse1.
 
 Choosing (`MLA_OPS_BACKEND` / `mla_ops.settings.set_backend`):
-* ``auto``: per device type, the first backend of `AUTO_PRIORITY` that serves the call; a backend
-  that cannot serve a call is skipped and `explain(op, *args)` says why.
+* ``auto``: per device type, the first backend of `auto_priority(device_type)` (the backends that
+  declare an `auto_priority`, then the reference) that serves the call; a backend that cannot serve a
+  call is skipped and `explain(op, *args)` says why.
 * an explicit backend: a demand for the ops it declares — a call it cannot serve fails with its
   reasons instead of falling back; ops it has no kernel for keep the automatic choice.
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import pkgutil
 from typing import Any, Callable, Optional
 
 import torch
@@ -58,13 +61,18 @@ class Backend:
         device_types: the device types it serves (`"*"`: any).
         unavailable: () -> reason it cannot run on this machine at all, or None. Must not import
             heavy packages (probe with find_spec); the answer is cached.
+        auto_priority: its rank in the automatic choice on its device types (lower is tried first);
+            None: it serves only when requested by name. The reference kernels always come last.
     """
 
     def __init__(self, name: str, description: str, device_types: tuple[str, ...],
-                 unavailable: Callable[[], Optional[str]] = lambda: None):
+                 unavailable: Callable[[], Optional[str]] = lambda: None, *, auto_priority: Optional[int] = None):
+        if name in BACKENDS:
+            raise RuntimeError(f"backend {name!r} is defined twice")
         self.name = name
         self.description = description
         self.device_types = device_types
+        self.auto_priority = auto_priority
         self._unavailable = functools.lru_cache(maxsize=None)(unavailable)
         self.kernels: dict[str, Kernel] = {}
         BACKENDS[name] = self
@@ -118,12 +126,23 @@ def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
 # ------------------------------------------------------------------------------------- backends
 REFERENCE = Backend("reference", "torch ops; any device; the ground truth", ("*",))
 
-from . import cpu_native, npu, pypto_sim  # noqa: E402,F401  (they register themselves in BACKENDS)
 
-# Automatic choice per device type: the first backend that serves the call wins.
-AUTO_PRIORITY: dict[str, tuple[Backend, ...]] = {"cpu": (cpu_native.CPU_NATIVE, REFERENCE),
-                                                 "npu": (npu.NPU, REFERENCE)}
-DEFAULT_PRIORITY: tuple[Backend, ...] = (REFERENCE,)
+def _import_backend_modules() -> None:
+    """Every module of this package defines its backends (they register themselves in BACKENDS)."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_backend_modules()
+_settings_module.declare_backend_names(lambda: tuple(BACKENDS))
+
+
+def auto_priority(device_type: str) -> tuple[Backend, ...]:
+    """The automatic choice on `device_type`, in order (the first backend that serves a call wins):
+    the backends that declare an `auto_priority` for it, then the reference kernels."""
+    ranked = sorted((b for b in BACKENDS.values() if b.auto_priority is not None and device_type in b.device_types),
+                    key=lambda b: b.auto_priority)
+    return (*ranked, REFERENCE)
 
 
 def _sync_reference_kernels() -> None:
@@ -138,7 +157,7 @@ def candidates(op: str, device_type: str, setting: Optional[str] = None) -> tupl
     setting = setting or settings.backend
     if _is_demand(op, setting):
         return (BACKENDS[setting],)  # a demand: served by that backend or refused, never downgraded
-    priority = AUTO_PRIORITY.get(device_type, DEFAULT_PRIORITY)
+    priority = auto_priority(device_type)
     return tuple(b for b in priority if op in b.kernels and b.serves_device(device_type)
                  and not b.unavailable_reason())
 
@@ -188,7 +207,7 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in skipped]
     device = _device_of(args, kwargs)
     if device is not None:
-        for other in AUTO_PRIORITY.get(device.type, DEFAULT_PRIORITY):
+        for other in auto_priority(device.type):
             reason = other.unavailable_reason()
             if reason and op in other.kernels:
                 lines.append(f"  not {other.name}: {reason}")
@@ -255,5 +274,5 @@ def availability_report() -> list[tuple[str, str, str]]:
 
 _settings_module.on_backend_change(bind)
 
-__all__ = ["Backend", "Kernel", "BACKENDS", "REFERENCE", "AUTO_PRIORITY", "candidates", "choose", "explain",
+__all__ = ["Backend", "Kernel", "BACKENDS", "REFERENCE", "auto_priority", "candidates", "choose", "explain",
            "bind", "bound_report", "availability_report"]

@@ -13,8 +13,9 @@ machine where no build imports keeps the reference kernels, and `mla-ops info` s
 The op's metadata check runs before these kernels (the backend layer binds them behind it). The C++
 kernels validate index values themselves and report a bad value without writing anything; the
 reference value checks then run only to raise the usual ValueError. What the kernels do not serve
-(float64, gradcheck's dtype; decode caches whose last dim is not unit-stride) goes to the reference
-kernels, with the reason in `mla_ops.explain(...)`.
+(float64, gradcheck's dtype; decode caches whose last dim is not unit-stride; a prolog rotating k_pe
+with rope_compute_dtype="activation" in fp16 / bf16) goes to the reference kernels, with the reason in
+`mla_ops.explain(...)`.
 
 C++ entry points (pybind11, `bindings.cpp`; the GIL is released during every call):
 ``decode_attention(..., validate) -> Tensor | None``, ``kv_prolog(...)``, ``latent_kv_prolog(...)``,
@@ -141,7 +142,7 @@ def _unavailable() -> Optional[str]:
 
 
 CPU_NATIVE = Backend("cpu_native", "C++ kernels (ATen vectorized, at::parallel_for) built with the package",
-                     ("cpu",), _unavailable)
+                     ("cpu",), _unavailable, auto_priority=0)  # the automatic choice on CPU where a build imports
 
 
 def _dtype_reasons(activation: Tensor) -> list[str]:
@@ -151,9 +152,16 @@ def _dtype_reasons(activation: Tensor) -> list[str]:
             f"the reference kernel serves it"]
 
 
-def _prolog_reasons(hidden_states, *args, rope_layout: str = "interleaved", **kwargs) -> list[str]:
+def _prolog_reasons(hidden_states, *args, rope_layout: str = "interleaved", rope_compute_dtype: str = "float32",
+                    **kwargs) -> list[str]:
     """(kv_prolog and latent_kv_prolog: cos and sin are the last two positional arguments.)"""
     reasons = _dtype_reasons(hidden_states)
+    if rope_compute_dtype == "activation" and hidden_states.dtype != torch.float32:
+        # In fp32 the kernel's separately rounded fp32 products and sums (-ffp-contract=off) are the
+        # "activation" formula itself; in fp16 / bf16 that formula rounds every step to the half type.
+        reasons.append(f"rope_compute_dtype 'activation' with {hidden_states.dtype}: the native prolog kernels "
+                       f"rotate k_pe in fp32 and round once; the reference kernel rounds each product and sum to "
+                       f"{hidden_states.dtype} as the stock x*cos + rotate_half(x)*sin does")
     cos, sin = args[-2], args[-1]
     if not (_position_major(cos) and _position_major(sin)):
         # transformers 4.54 - 5.1x build DeepSeek-V2's rotary tables transposed; ATen's complex
@@ -208,7 +216,7 @@ def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
 def kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor], kv_norm_weight: Tensor,
               kv_b_weight: Tensor, cos: Tensor, sin: Tensor, *, num_heads: int, qk_nope_head_dim: int,
               v_head_dim: int, eps: float = 1e-6, rope_layout: str = "interleaved",
-              _ext: Optional[ModuleType] = None):
+              rope_compute_dtype: str = "float32", _ext: Optional[ModuleType] = None):
     """The two GEMMs through ATen (the reference's own calls), then split + RMSNorm + RoPE + output
     layout in one vectorised pass; bit-identical to the reference kernel."""
     return _module(_ext).kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin,
@@ -218,7 +226,8 @@ def kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Te
 @CPU_NATIVE.kernel("latent_kv_prolog", reasons=_prolog_reasons, memoize=False)
 def latent_kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor],
                      kv_norm_weight: Tensor, cos: Tensor, sin: Tensor, *, eps: float = 1e-6,
-                     rope_layout: str = "interleaved", _ext: Optional[ModuleType] = None):
+                     rope_layout: str = "interleaved", rope_compute_dtype: str = "float32",
+                     _ext: Optional[ModuleType] = None):
     """hidden_states [B, S, H] -> latent [B, S, L] (normed), k_pe [B, S, R] (rotated); bit-identical."""
     return _module(_ext).latent_kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin,
                                           float(eps), rope_layout == "interleaved")

@@ -6,9 +6,10 @@ torch_npu was imported before mla_ops.
 
 Policy (plain functions, testable on any machine):
 * kv_prolog: B*S tokens <= `MLA_OPS_NPU_FUSED_MAX_TOKENS` (default 16) and the PyPTO stage-2 kernel
-  able to take the call (its own reasons: pypto 0.2.0 importable, fp16/bf16, dims, devices; memoised
-  per call signature) -> stage 1 with torch_npu (matmul, split, npu_rms_norm) + the PyPTO stage-2
-  kernel; otherwise the torch_npu baseline composite (the same stage 1, stage 2 as framework ops).
+  able to take the call (its own reasons: pypto 0.2.0 importable, fp16/bf16, dims, devices, fp32
+  rotation — rope_compute_dtype="float32"; memoised per call signature) -> stage 1 with torch_npu
+  (matmul, split, npu_rms_norm) + the PyPTO stage-2 kernel; otherwise the torch_npu baseline composite
+  (the same stage 1, stage 2 as framework ops, which also round RoPE in the activation dtype).
   Token counts and the reasons depend on shapes and dtypes only, so the choice needs no host
   synchronisation and is frozen into a captured aclgraph.
 * gather_pa_kv_cache: the PyPTO kernel, with the large-token tile when heads*dim > 4096.
@@ -47,7 +48,7 @@ def _unavailable() -> Optional[str]:
 
 
 NPU = Backend("npu", "Ascend NPU: torch_npu stage-1 ops + PyPTO kernels, fused for short token counts", ("npu",),
-              _unavailable)
+              _unavailable, auto_priority=0)  # the automatic choice on NPU tensors
 
 
 def use_fused_kv_prolog(num_tokens: int, max_fused_tokens: int) -> bool:
@@ -76,27 +77,30 @@ def _npu_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps):
     return latent, k_pe
 
 
-def baseline_stage2(latent, k_pe, kv_b_weight, cos, sin, *, num_heads, qk_nope_head_dim, v_head_dim, rope_layout):
+def baseline_stage2(latent, k_pe, kv_b_weight, cos, sin, *, num_heads, qk_nope_head_dim, v_head_dim, rope_layout,
+                    rope_compute_dtype="float32"):
     """Stage 2 as framework ops on token-major inputs (the torch_npu baseline composite)."""
     tokens = latent.shape[0]
     k_nope, value = expand_latent(latent.view(1, tokens, -1), kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
-    k_pe_rot = rope_math(k_pe, cos, sin, rope_layout)
+    k_pe_rot = rope_math(k_pe, cos, sin, rope_layout, rope_compute_dtype)
     return k_nope[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(), k_pe_rot
 
 
 @memo_by_signature
 def _stage2_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
-                    qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
+                    qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved", rope_compute_dtype="float32"):
     # Memoised per call signature: decode asks the same question every step and layer, and the
     # stage-2 reasons cost tens of microseconds. (pypto's version is cached separately, in
     # pypto_runtime.compat, so not even a first call per signature reads package metadata again.)
     return stage2_not_supported_reasons(hidden_states, kv_a_weight, kv_norm_weight, kv_b_weight,
                                         num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
-                                        v_head_dim=v_head_dim, rope_layout=rope_layout, mode="npu")
+                                        v_head_dim=v_head_dim, rope_layout=rope_layout,
+                                        rope_compute_dtype=rope_compute_dtype, mode="npu")
 
 
 def fused_kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *,
-                            num_heads, qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved") -> list[str]:
+                            num_heads, qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved",
+                            rope_compute_dtype="float32") -> list[str]:
     """Why this kv_prolog call takes the torch_npu baseline instead of the fused PyPTO stage 2
     (empty: fused). Shapes, dtypes and devices only: no host synchronisation."""
     tokens = hidden_states.shape[0] * hidden_states.shape[1]
@@ -105,7 +109,7 @@ def fused_kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weigh
                 f"MLA_OPS_NPU_FUSED_MAX_TOKENS)"]
     return _stage2_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin,
                            num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, eps=eps,
-                           rope_layout=rope_layout)
+                           rope_layout=rope_layout, rope_compute_dtype=rope_compute_dtype)
 
 
 fused_kv_prolog_reasons.cache_clear = _stage2_reasons.cache_clear  # after a change of what they depend on
@@ -120,15 +124,16 @@ def _kv_prolog_path(*args, **kwargs) -> str:
 
 @NPU.kernel("kv_prolog", path=_kv_prolog_path)
 def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
-              qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
+              qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved", rope_compute_dtype="float32"):
     fused = not fused_kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos,
                                         sin, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
-                                        v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout)
-    if fused:
+                                        v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout,
+                                        rope_compute_dtype=rope_compute_dtype)
+    if fused:  # (the fused kernel rotates in fp32: its reasons refuse rope_compute_dtype="activation")
         # looked up at call time (not bound at import) so that a test can stand in for the launch
         stage2 = functools.partial(kv_prolog_stage2, mode="npu")
     else:
-        stage2 = baseline_stage2
+        stage2 = functools.partial(baseline_stage2, rope_compute_dtype=rope_compute_dtype)
     return staged_kv_prolog(_npu_stage1, stage2, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight,
                             cos, sin, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
                             v_head_dim=v_head_dim, eps=eps, rope_layout=rope_layout)
@@ -153,12 +158,13 @@ def warmup_token_counts() -> tuple[int, ...]:
     return settings.npu_warmup_tokens
 
 
-def warmup(model, *, rope_layout: str = "interleaved") -> None:
+def warmup(model, *, rope_layout: str = "interleaved", rope_compute_dtype: str = "float32") -> None:
     """Compile the fused kv_prolog kernels for the token counts decode uses (1 and 2 by default),
     with the first attention layer's weights, before generation starts (as the original script).
 
-    `rope_layout` must be the one the patched attention calls kv_prolog with ("half" for the hub
-    remote code): kernels are compiled per layout."""
+    `rope_layout` and `rope_compute_dtype` must be the ones the patched attention calls kv_prolog
+    with ("half" for the hub remote code): kernels are compiled per layout, and a call rotating in the
+    activation dtype takes the baseline, which has nothing to compile."""
     attn = next(m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa"))
     kv_a, norm, kv_b = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm, attn.kv_b_proj
     device, dtype = kv_a.weight.device, kv_a.weight.dtype
@@ -170,4 +176,5 @@ def warmup(model, *, rope_layout: str = "interleaved") -> None:
             sin = torch.zeros(1, tokens, rope_half, device=device)
             torch.ops.mla.kv_prolog(hidden, kv_a.weight, kv_a.bias, norm.weight, kv_b.weight, cos, sin,
                                     num_heads=attn.num_heads, qk_nope_head_dim=attn.qk_nope_head_dim,
-                                    v_head_dim=attn.v_head_dim, eps=norm.variance_epsilon, rope_layout=rope_layout)
+                                    v_head_dim=attn.v_head_dim, eps=norm.variance_epsilon, rope_layout=rope_layout,
+                                    rope_compute_dtype=rope_compute_dtype)

@@ -8,7 +8,7 @@ for tests, kernel development and `mla-ops bench npu-sim`, never chosen automati
 
 The op's own argument check runs before any of these kernels (see `mla_ops.backends`); the reasons
 below are only what the PyPTO kernels add: pypto 0.2.0 installed, fp16/bf16 for stage 2, contiguous
-caches, tile limits.
+caches, tile limits, fp32 RoPE (rope_compute_dtype="float32": stage 2 rotates in fp32).
 """
 from __future__ import annotations
 
@@ -42,15 +42,16 @@ def _reference_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps
 
 
 def _kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
-                       qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
+                       qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved", rope_compute_dtype="float32"):
     return stage2_not_supported_reasons(hidden_states, kv_a_weight, kv_norm_weight, kv_b_weight, num_heads=num_heads,
                                         qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
-                                        rope_layout=rope_layout, mode="sim")
+                                        rope_layout=rope_layout, rope_compute_dtype=rope_compute_dtype, mode="sim")
 
 
 @PYPTO_SIM.kernel("kv_prolog", reasons=_kv_prolog_reasons)
 def kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *, num_heads,
-              qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
+              qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved", rope_compute_dtype="float32"):
+    # (the reasons admit only rope_compute_dtype="float32": what the PyPTO stage 2 computes)
     return staged_kv_prolog(_reference_stage1, functools.partial(kv_prolog_stage2, mode="sim"), hidden_states,
                             kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, num_heads=num_heads,
                             qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, eps=eps,

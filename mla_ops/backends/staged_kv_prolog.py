@@ -56,9 +56,12 @@ def staged_kv_prolog(stage1: Callable, stage2: Callable, hidden_states, kv_a_wei
 
 
 def stage2_not_supported_reasons(hidden_states, kv_a_weight, kv_norm_weight, kv_b_weight, *, num_heads,
-                                 qk_nope_head_dim, v_head_dim, rope_layout, mode) -> list[str]:
+                                 qk_nope_head_dim, v_head_dim, rope_layout, mode,
+                                 rope_compute_dtype: str = "float32") -> list[str]:
     """The PyPTO stage-2 kernel's reasons for a kv_prolog call, judged on zero-memory stand-ins
-    shaped like the stage-2 inputs (stage 1 has not run yet when the choice is made)."""
+    shaped like the stage-2 inputs (stage 1 has not run yet when the choice is made), plus the
+    rounding it cannot reproduce: it rotates k_pe in fp32 from fp32 tables and rounds once, so a call
+    asking to round like the stock formula in fp16 / bf16 (rope_compute_dtype="activation") is not its."""
     tokens = hidden_states.shape[0] * hidden_states.shape[1]
     lora = kv_norm_weight.shape[0]
     rope_dim = kv_a_weight.shape[0] - lora
@@ -67,7 +70,11 @@ def stage2_not_supported_reasons(hidden_states, kv_a_weight, kv_norm_weight, kv_
         return torch.empty((), dtype=dtype, device=hidden_states.device).expand(tokens, cols)
 
     table = stand_in(rope_dim // 2, torch.float32)
-    return kv_prolog_stage2_not_supported_reasons(
+    reasons = kv_prolog_stage2_not_supported_reasons(
         stand_in(lora, hidden_states.dtype), stand_in(rope_dim, hidden_states.dtype), kv_b_weight, table, table,
         num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, rope_layout=rope_layout,
         mode=mode)
+    if rope_compute_dtype != "float32":
+        reasons.append(f"rope_compute_dtype {rope_compute_dtype!r}: the PyPTO stage-2 kernel rotates k_pe in fp32 "
+                       f"and rounds once (rope_compute_dtype='float32')")
+    return reasons

@@ -3,14 +3,25 @@
 Variants are timed in interleaved rounds (rotating order) with `torch.utils.benchmark`, and every
 ratio is computed per round before taking the median, so drift of the machine between rounds
 cancels out of the ratios. Absolute times are reported too, but the ratios are what to quote.
+
+`compare` turns per-round ratios into a verdict that repeats from run to run: the median ratio with
+a distribution-free confidence interval, and "faster" only where the interval lies clear of 1 and
+the difference is larger than a floor for the spread between separate runs (`RUN_TO_RUN_FLOOR`).
 """
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Callable
+import time
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.utils.benchmark as tbench
+
+# How a run is timed. "wall": elapsed time. "cpu": the CPU time the process got; with one torch
+# thread that is the time the work ran on a core, not the time it waited for one, so other jobs on
+# the machine barely move it (with more threads it would add up every thread, spin-waits included).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def synchronize(device: torch.device) -> None:
@@ -41,6 +52,70 @@ def median_ratio(results: dict[str, dict[str, float]], numerator: str, denominat
     """Median over rounds of time(numerator) / time(denominator)."""
     pairs = zip(results[numerator]["times"], results[denominator]["times"])
     return statistics.median(a / b for a, b in pairs)
+
+
+CONFIDENCE = 0.90
+# Separate runs on one machine disagree by more than one run's interval says (the process's memory
+# layout, frequency, other jobs): in six `bench e2e --quick --clock cpu --threads 1` runs on a shared
+# 2-core machine the median ratio of a dense cell moved by up to 4.5%, while one run's interval was
+# often within ±2%.
+# Below this floor the verdict stays "~Same", as in the original benchmark's 5% band.
+RUN_TO_RUN_FLOOR = 0.05
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Optional[tuple[float, float]]:
+    """Distribution-free confidence interval of the median: the order statistics x_(k) and x_(n+1-k)
+    for the largest k with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. It assumes nothing about
+    the shape of the noise (on a shared machine it is one-sided and heavy-tailed: preemption only
+    ever adds time), and an outlier moves it by one rank at most. None when there are too few values
+    for that confidence (fewer than 5 at 90%)."""
+    xs = sorted(values)
+    n = len(xs)
+    tail, k = 0.0, 0
+    while True:  # tail = P(X <= k) for X ~ Binomial(n, 1/2)
+        tail += math.comb(n, k) / 2 ** n
+        if tail > (1 - confidence) / 2 or k + 1 > n // 2:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return xs[k - 1], xs[n - k]
+
+
+def compare(ratios: Sequence[float], *, faster: str, slower: str, floor: float = RUN_TO_RUN_FLOOR,
+            confidence: float = CONFIDENCE) -> dict:
+    """Verdict on per-round ratios time(baseline) / time(candidate) (> 1: the candidate is faster).
+
+    -> {"speedup": median ratio, "ci_low", "ci_high", "noise_pct", "verdict"}. The noise is the side
+    of the median's confidence interval that faces 1 (the one that could undo the difference: a run
+    that went unusually well for the winner only widens the other side), in log space (so x2 and x0.5
+    are the same distance), raised to `floor`. The verdict is `faster` / `slower` only where the
+    median lies further from 1 than that noise, i.e. the whole interval is on one side of 1 (a test at
+    10% two-sided) and the speedup exceeds the floor; otherwise "~Same (within noise ±x%)". Without
+    enough rounds for an interval there is no verdict."""
+    speedup = statistics.median(ratios)
+    interval = median_interval(ratios, confidence)
+    if interval is None:
+        return {"speedup": speedup, "ci_low": None, "ci_high": None, "noise_pct": None,
+                "verdict": f"no verdict (needs {min_rounds(confidence)}+ repeats)"}
+    low, high = interval
+    centre = math.log(speedup)
+    towards_one = centre - math.log(low) if centre >= 0 else math.log(high) - centre
+    noise = max(math.log(1 + floor), towards_one)
+    if abs(centre) > noise:
+        verdict = faster if centre > 0 else slower
+    else:
+        verdict = f"~Same (within noise ±{100 * math.expm1(noise):.0f}%)"
+    return {"speedup": speedup, "ci_low": low, "ci_high": high, "noise_pct": 100 * math.expm1(noise),
+            "verdict": verdict}
+
+
+def min_rounds(confidence: float = CONFIDENCE) -> int:
+    """The fewest values `median_interval` gives an interval for at `confidence`."""
+    n = 1
+    while median_interval(range(n), confidence) is None:
+        n += 1
+    return n
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

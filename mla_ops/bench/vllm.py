@@ -6,7 +6,7 @@ only the plugin differs. The mla-ops side forces the route (`MLA_OPS_VLLM_ROUTE=
 write are `torch.ops.mla.*` whatever the measured default would choose); the vLLM side runs with the
 plugin off (CPU_MLA's decode is the C++ kernel `torch.ops._C.mla_decode_kvcache`, AMX_MLA's SGLang's
 `torch.ops._C.decode_attention_cpu`). Each side runs in its own child process (see
-`mla_ops.integrations.vllm.harness`), in-process, stepped one engine step at a time. Per (context, batch):
+`mla_ops.testing.vllm_engine`), in-process, stepped one engine step at a time. Per (context, batch):
 a warm-up run, then a measured one; the steps where every sequence of the batch decodes one token (no
 prefill in the step, none finished) are the decode steps reported.
 
@@ -44,7 +44,7 @@ def measure(model: str | None = None, *, contexts=CONTEXTS, batch_sizes=BATCH_SI
 
     Args:
         model: a DeepSeek-V2 checkpoint directory with a latent cache of 512 + 64 (what vLLM's CPU MLA
-            backends accept); None builds the small random one of `mla_ops.integrations.vllm.checkpoint`
+            backends accept); None builds the small random one of `mla_ops.testing.vllm_checkpoint`
             with `num_layers` layers.
         contexts: prompt lengths in tokens (the cached context each decode step attends over grows from
             there by `decode_tokens`).
@@ -64,8 +64,8 @@ def measure(model: str | None = None, *, contexts=CONTEXTS, batch_sizes=BATCH_SI
         Medians and minima are reported because other work on a shared machine inflates single steps
         (the mean shows how much).
     """
-    from mla_ops.integrations.vllm.checkpoint import write_checkpoint
-    from mla_ops.integrations.vllm.harness import run_llm
+    from mla_ops.testing.vllm_checkpoint import write_checkpoint
+    from mla_ops.testing.vllm_engine import run_llm
 
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens must be >= 2 (the prefill token + decode steps), "

@@ -136,6 +136,16 @@ class _TimingStreamer:
             self.text.end()
 
 
+def _routed_ops(options: dict) -> list[str]:
+    """The mla ops the patch options run the model through: the dense cache's KV path is one
+    kv_prolog; the paged cache's is latent_kv_prolog into the cache and absorbed decode out of it."""
+    ops = []
+    if options["kv_prolog"]:
+        ops += ["kv_prolog"] if options["cache"] == "dense" else ["latent_kv_prolog", "scatter_pa_kv_cache",
+                                                                  "mla_decode_attention"]
+    return ops + [name for name in ("rms_norm", "rope") if options[name]]
+
+
 def _check_remote_code_flags(args) -> None:
     """Flags the hub remote code cannot take, refused before loading (a real checkpoint loads for minutes):
     its attention is patched through the fused KV prolog only, onto its own dense K/V cache, and its
@@ -184,7 +194,7 @@ def run(args) -> dict:
             handle = apply(model, **options)
         except (ValueError, NotImplementedError) as exc:  # a model these flags cannot patch: apply says why
             raise CliError(f"the mla flags cannot patch this model: {exc}") from None
-        say(f"routed through torch.ops.mla: {', '.join(k for k in ('kv_prolog', 'rms_norm', 'rope') if options[k])}"
+        say(f"routed through torch.ops.mla: {', '.join(_routed_ops(options))}"
             + (f" (cache={options['cache']})" if args.use_kv_fusion else ""))
         if device.type == "npu" and options["cache"] == "dense" and args.use_kv_fusion:
             # (the paged mode calls latent_kv_prolog, which has no NPU kernel to compile)

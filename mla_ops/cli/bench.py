@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
-import sys
+import shlex
 from typing import Callable, NamedTuple
 
-from ..bench.timing import format_table
+from ..bench.timing import format_table, min_rounds
 from .arguments import int_at_least, int_list
 from .runtime import CliError, check_writable
 
@@ -23,18 +24,31 @@ class Benchmark(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------- e2e
+# --quick per cache mode: (prompt lengths, output lengths). dense: the original comparison's short
+# end, where the fused path does not win at 32 tokens and does at 512; paged: one long context, where
+# decoding from the latent cache with mla.mla_decode_attention is clearly faster than stock's cache
+# (1.34x on a 2-core CPU, one thread), at a cost that keeps `make demo`'s two benchmarks near two
+# minutes (about 85 s and 50 s there).
+QUICK_E2E = {"dense": ([32, 512], [10, 20]), "paged": ([1024], [16])}
+
+
 def _e2e_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lengths", type=int_list, default=[32, 512, 2048], help="default: 32,512,2048")
     p.add_argument("--output-lengths", type=int_list, default=[10, 20, 50, 100], help="default: 10,20,50,100")
-    p.add_argument("--repeats", type=int_at_least(1), default=3, help="timed runs per variant and configuration "
-                                                                       "(median)")
+    p.add_argument("--repeats", type=int_at_least(1), default=8,
+                   help=f"ABBA blocks per configuration: baseline, fused, fused, baseline (default: 8; a verdict "
+                        f"needs {min_rounds()} or more)")
     p.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed runs per variant first (default: 1)")
     p.add_argument("--fused", default="kv_fusion",
                    help="what the fused variant routes through mla ops: a comma list of kv_fusion, rope, pto "
                         "(default: kv_fusion, the original comparison)")
     p.add_argument("--cache", default="dense", choices=["dense", "paged"], help="cache mode of the fused variant")
     p.add_argument("--quick", action="store_true",
-                   help="prompt lengths 32,512, output lengths 10,20, 2 repeats (a minute on 2 cores)")
+                   help="a few configurations: with --cache dense prompt lengths " + _lengths("dense")
+                        + ", with --cache paged " + _lengths("paged") + " (a minute or two each)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="wall: elapsed time (default); cpu: the CPU time the process got, which other jobs on "
+                        "the machine barely move (needs --threads 1 and a CPU --device)")
     p.add_argument("--model-path", default=None, help="local checkpoint (default: the built-in model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
@@ -42,17 +56,23 @@ def _e2e_arguments(p: argparse.ArgumentParser) -> None:
                    help="PNG plot path (default: bench_e2e.png; skipped with a message without matplotlib)")
 
 
+def _lengths(cache: str) -> str:
+    """--quick's configurations of one cache mode, for the help text."""
+    prompts, outputs = QUICK_E2E[cache]
+    return f"{','.join(map(str, prompts))} x output lengths {','.join(map(str, outputs))}"
+
+
 def _run_e2e(args, meta: dict) -> dict:
     import torch
 
     from ..bench import e2e
-    from ..bench.timing import format_table
+    from ..bench.timing import cpu_flags
     from . import loading
     from .runtime import offline_environment, resolve_device
 
     offline_environment()
     if args.quick:
-        args.prompt_lengths, args.output_lengths, args.repeats = [32, 512], [10, 20], 2
+        args.prompt_lengths, args.output_lengths = QUICK_E2E[args.cache]
     flags = {f.strip() for f in args.fused.split(",") if f.strip()}
     unknown = flags - {"kv_fusion", "rope", "pto"}
     if unknown or not flags:
@@ -60,23 +80,38 @@ def _run_e2e(args, meta: dict) -> dict:
     if args.cache == "paged" and "kv_fusion" not in flags:
         raise CliError("--cache paged needs kv_fusion in --fused")
     device = resolve_device(args.device)
+    if args.clock == "cpu" and (torch.get_num_threads() != 1 or device.type != "cpu"):
+        raise CliError("--clock cpu needs --threads 1 on a CPU --device: with more threads the CPU time adds up "
+                       "every thread (spin-waits included), and an accelerator's time is not the process's")
     loaded = loading.load(args.model_path, args.dtype, device, progress=print)
     for note in loaded.notes:
         print(f"NOTE: {note}")
     fused = {"kv_prolog": "kv_fusion" in flags, "rope": "rope" in flags, "rms_norm": "pto" in flags,
              "cache": args.cache}
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load_before = os.getloadavg()[0]
     rows = e2e.measure(loaded.model, loaded.tokenizer, prompt_lengths=args.prompt_lengths,
-                       output_lengths=args.output_lengths, repeats=args.repeats, warmup=args.warmup, fused=fused)
-    print(f"\nbaseline (stock transformers) vs fused ({', '.join(sorted(flags))}, cache={args.cache}); "
-          f"{loaded.source} model, {loaded.dtype}, {device}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats}")
-    print(format_table(rows, [("prompt_tokens", "prompt"), ("output_tokens", "output"),
-                              ("baseline_tokens_per_s", "baseline tok/s"), ("fused_tokens_per_s", "fused tok/s"),
-                              ("speedup", "speedup"), ("verdict", "verdict")]))
-    meta.update(model=loaded.source, dtype=str(loaded.dtype), device=str(device), fused=fused)
-    title = (f"baseline vs fused ({', '.join(sorted(flags))}, cache={args.cache}): {loaded.source} model, "
-             f"{str(loaded.dtype).removeprefix('torch.')}, {device}")
-    if e2e.plot(rows, args.plot, title):
+                       output_lengths=args.output_lengths, repeats=args.repeats, warmup=args.warmup, fused=fused,
+                       clock=args.clock)
+    load_after = os.getloadavg()[0]
+    threads = torch.get_num_threads()
+    cache = {"dense": "cache=dense: the stock cache layout",
+             "paged": "cache=paged: the latent cache, decoding with mla.mla_decode_attention"}[args.cache]
+    print(f"\nbaseline (stock transformers) vs fused ({', '.join(sorted(flags))}; {cache}); "
+          f"{portable_path(loaded.source)} model, {str(loaded.dtype).removeprefix('torch.')}, {device}, "
+          f"{threads} thread{'s' if threads != 1 else ''}; {args.repeats} ABBA blocks per row, speedup = median "
+          f"block ratio" + ("; tokens per second of the process's CPU time" if args.clock == "cpu" else ""))
+    print(e2e.format_rows(rows, unit="tok/cpu-s" if args.clock == "cpu" else "tok/s"))
+    if args.clock == "wall" and max(load_before, load_after) > cpus:
+        # the load average counts this process's threads too: above the CPU count, other jobs were running
+        print(f"NOTE: the machine was busy (1-minute load average {load_before:.1f} before, {load_after:.1f} after, "
+              f"on {cpus} CPUs): other jobs widen the intervals")
+    meta.update(model=loaded.source, dtype=str(loaded.dtype), device=str(device), fused=fused,
+                repeats=args.repeats, warmup=args.warmup, clock=args.clock, cpus=cpus, cpu_flags=cpu_flags(),
+                load_average=[load_before, load_after])
+    title = (f"baseline vs fused ({', '.join(sorted(flags))}, cache={args.cache}): {portable_path(loaded.source)} "
+             f"model, {str(loaded.dtype).removeprefix('torch.')}, {device}")
+    if e2e.plot(rows, args.plot, title, unit="tokens / CPU-second" if args.clock == "cpu" else "tokens / s"):
         print(f"plot written to {args.plot}")
     else:
         print("plot skipped: matplotlib is not installed (pip install 'mla-ops[plot]')")
@@ -248,6 +283,10 @@ BENCHMARKS: dict[str, Benchmark] = {
 }
 
 
+# each kind's parser, for `command_line`
+_PARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
 def add_parser(sub) -> None:
     """The `bench` subcommand and one sub-subcommand per entry of BENCHMARKS."""
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
@@ -261,6 +300,50 @@ def add_parser(sub) -> None:
                        help=f"write results as JSON here (default: {default_json})")
         p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's "
                                                                              "choice)")
+        _PARSERS[name] = p
+
+
+def portable_path(text: str) -> str:
+    """`text` with no machine directory in it: an absolute path becomes relative to the working
+    directory when it lies inside it, else its final name (where a user keeps files is theirs, and
+    a result file is shared); anything else is returned as it is."""
+    if not os.path.isabs(text):
+        return text
+    path = pathlib.Path(text)
+    try:
+        return str(path.relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return path.name
+
+
+def portable(value):
+    """`value` (JSON-like metadata) with `portable_path` applied to every string in it."""
+    if isinstance(value, str):
+        return portable_path(value)
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    return value
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The benchmark's command as a user types it: `mla-ops bench <kind>` and the options that differ
+    from their defaults, in the parser's order, with portable paths. Rebuilt from the parsed options
+    (not sys.argv, which names the interpreter's script path, or the caller's argv when `main` is
+    called in-process)."""
+    words = ["mla-ops", "bench", args.kind]
+    for action in _PARSERS[args.kind]._actions:  # argparse keeps its options there
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        words.append(max(action.option_strings, key=len))
+        if action.nargs != 0:  # a flag (store_true) has no value
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            words.append(shlex.quote(portable_path(text)))
+    return " ".join(words)
 
 
 def run(args) -> None:
@@ -272,8 +355,9 @@ def run(args) -> None:
     check_writable("--json", args.json_path)
     if getattr(args, "plot", None):
         check_writable("--plot", args.plot)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "command": command_line(args)}
     payload = BENCHMARKS[args.kind].run(args, meta)
+    payload["meta"] = portable(payload["meta"])
     target = pathlib.Path(args.json_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(payload, indent=2) + "\n")

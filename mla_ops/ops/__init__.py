@@ -4,8 +4,13 @@ Each module holds everything that makes its operator, in this order: the metadat
 the fake and every eager kernel), the fake kernel, the reference kernel (torch ops, any device: the
 ground truth, and the CPU kernel when no native one is built), the autograd formula if the op has
 one, the `define_op(...)` record that registers all of it, and the typed public wrapper.
-Importing this package defines every op.
+Importing this package defines every op: every module in it is imported, so a new op module is
+defined (and its `OpDef` in `mla_ops._library.OPS`) without being listed anywhere; the names
+imported here are the public wrappers.
 """
+import importlib as _importlib
+import pkgutil as _pkgutil
+
 from .decode_attention import mla_decode_attention
 from .gather_pa_kv_cache import gather_pa_kv_cache, gather_pa_kv_cache_into
 from .kv_prolog import kv_prolog, latent_kv_prolog
@@ -13,6 +18,9 @@ from .q_prolog import q_prolog
 from .rms_norm import rms_norm
 from .rope import rope
 from .scatter_pa_kv_cache import scatter_pa_kv_cache
+
+for _module in _pkgutil.iter_modules(__path__):  # the op modules without a public wrapper here
+    _importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog", "scatter_pa_kv_cache", "gather_pa_kv_cache",
            "gather_pa_kv_cache_into", "mla_decode_attention"]

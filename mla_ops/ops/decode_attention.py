@@ -177,8 +177,9 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
     whole-block width, because ATen's CPU bf16 GEMM is ~60x slower when that width is not a
     multiple of the block (measured 14 ms vs 0.23 ms at 2000 vs 2048 positions), while the output
     GEMM is not (it reduces over the positions)."""
-    scores = torch.bmm(q_latent, latent.transpose(1, 2)).float()  # [B, N, T]
-    scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).float()
+    score_dtype = torch.promote_types(q_latent.dtype, torch.float32)  # fp32; fp64 stays fp64
+    scores = torch.bmm(q_latent, latent.transpose(1, 2)).to(score_dtype)  # [B, N, T]
+    scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).to(score_dtype)
     scores *= softmax_scale
     if mask:
         if attended is None:

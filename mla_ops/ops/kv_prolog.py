@@ -10,6 +10,10 @@ outputs are bit-identical to the stock module given the same weights:
     k_nope | value = split(kv.view(B, S, N, P+V).transpose(1, 2), [P, V])
     k_pe       = rope(k_pe)                              [B, 1, S, R]  ([B, S, R] for latent_kv_prolog)
 
+`rope_compute_dtype` is `mla::rope`'s compute_dtype: "float32" rotates in fp32 and rounds once
+(transformers' DeepSeek-V2), "activation" rounds each product and sum to the activation dtype as
+`x*cos + rotate_half(x)*sin` does in a bf16 / fp16 model (DeepSeek-V3's family, the hub remote code).
+
 Shapes: B batch, S tokens, H hidden, N heads, L kv_lora_rank (the size of kv_norm_weight), R rope
 dim, P qk_nope_head_dim, V v_head_dim. Weights are in nn.Linear layout ([out, in]), exactly as the
 transformers modules hold them. The `[B*S, N, D] -> [B, N, S, D]` step is a view + transpose (heads
@@ -28,6 +32,7 @@ from .._checks import (
     check_float,
     check_layout,
     check_rank,
+    check_rope_compute_dtype,
     check_rope_tables,
     check_same_device,
     check_same_dtype,
@@ -41,7 +46,8 @@ from .rope import rope_backward_math, rope_math
 
 # ----------------------------------------------------------------------------------------- checks
 def _check_stage1_args(op: str, hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor],
-                       kv_norm_weight: Tensor, cos: Tensor, sin: Tensor, eps: float, rope_layout: str) -> None:
+                       kv_norm_weight: Tensor, cos: Tensor, sin: Tensor, eps: float, rope_layout: str,
+                       rope_compute_dtype: str) -> None:
     """Stage-1 arguments, shared by both prologs.
 
     hidden_states [B, S, H]; kv_a_weight [L+R, H] (nn.Linear layout of kv_a_proj_with_mqa);
@@ -49,6 +55,7 @@ def _check_stage1_args(op: str, hidden_states: Tensor, kv_a_weight: Tensor, kv_a
     in hidden_states' dtype (they feed F.linear with it).
     """
     check_layout(op, "rope_layout", rope_layout)
+    check_rope_compute_dtype(op, "rope_compute_dtype", rope_compute_dtype)
     check_float(op, "hidden_states", hidden_states)
     check_rank(op, "hidden_states", hidden_states, 3, "[batch, seq, hidden]")
     check_rank(op, "kv_a_weight", kv_a_weight, 2, "[kv_lora_rank + rope_dim, hidden] (nn.Linear layout)")
@@ -86,18 +93,20 @@ def _check_stage1_args(op: str, hidden_states: Tensor, kv_a_weight: Tensor, kv_a
 
 @memo_by_signature
 def check_latent_kv_prolog_args(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, *,
-                                eps: float = 1e-6, rope_layout: str = "interleaved") -> None:
+                                eps: float = 1e-6, rope_layout: str = "interleaved",
+                                rope_compute_dtype: str = "float32") -> None:
     _check_stage1_args("latent_kv_prolog", hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps,
-                       rope_layout)
+                       rope_layout, rope_compute_dtype)
 
 
 @memo_by_signature
 def check_kv_prolog_args(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *,
                          num_heads: int, qk_nope_head_dim: int, v_head_dim: int, eps: float = 1e-6,
-                         rope_layout: str = "interleaved") -> None:
+                         rope_layout: str = "interleaved", rope_compute_dtype: str = "float32") -> None:
     """The stage-1 arguments plus kv_b_weight [N*(P+V), L] (nn.Linear layout) and the head dims."""
     op = "kv_prolog"
-    _check_stage1_args(op, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout)
+    _check_stage1_args(op, hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout,
+                       rope_compute_dtype)
     for name, value in (("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim),
                         ("v_head_dim", v_head_dim)):
         torch._check(value > 0, lambda: f"mla.{op}: {name} must be positive, got {value}")
@@ -113,10 +122,11 @@ def check_kv_prolog_args(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, 
 
 # ------------------------------------------------------------------------------------------ fakes
 def _kv_prolog_fake(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, *,
-                    num_heads, qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved"):
+                    num_heads, qk_nope_head_dim, v_head_dim, eps=1e-6, rope_layout="interleaved",
+                    rope_compute_dtype="float32"):
     check_kv_prolog_args(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin,
                          num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, eps=eps,
-                         rope_layout=rope_layout)
+                         rope_layout=rope_layout, rope_compute_dtype=rope_compute_dtype)
     batch, seq, _ = hidden_states.shape
     rope_dim = kv_a_weight.shape[0] - kv_norm_weight.shape[0]
     return (
@@ -127,9 +137,9 @@ def _kv_prolog_fake(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_
 
 
 def _latent_kv_prolog_fake(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, *,
-                           eps=1e-6, rope_layout="interleaved"):
+                           eps=1e-6, rope_layout="interleaved", rope_compute_dtype="float32"):
     check_latent_kv_prolog_args(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps=eps,
-                                rope_layout=rope_layout)
+                                rope_layout=rope_layout, rope_compute_dtype=rope_compute_dtype)
     batch, seq, _ = hidden_states.shape
     lora_rank = kv_norm_weight.shape[0]
     return (
@@ -160,12 +170,12 @@ def expand_latent(latent: Tensor, kv_b_weight: Tensor, num_heads: int, qk_nope_h
 def kv_prolog_reference(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor],
                         kv_norm_weight: Tensor, kv_b_weight: Tensor, cos: Tensor, sin: Tensor, *, num_heads: int,
                         qk_nope_head_dim: int, v_head_dim: int, eps: float = 1e-6,
-                        rope_layout: str = "interleaved"):
+                        rope_layout: str = "interleaved", rope_compute_dtype: str = "float32"):
     """-> k_nope [B, N, S, P], value [B, N, S, V], k_pe [B, 1, S, R], contiguous, hidden's dtype."""
     batch, seq, _ = hidden_states.shape
     _, latent, k_pe = latent_stage(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps)
     k_nope, value = expand_latent(latent, kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
-    k_pe = rope_math(k_pe.view(batch, 1, seq, k_pe.shape[-1]), cos, sin, rope_layout)
+    k_pe = rope_math(k_pe.view(batch, 1, seq, k_pe.shape[-1]), cos, sin, rope_layout, rope_compute_dtype)
     # clone, not .contiguous(): an empty view counts as contiguous and would be returned as is,
     # and the two are views of one buffer (custom-op outputs must not alias)
     return k_nope.clone(memory_format=torch.contiguous_format), value.clone(memory_format=torch.contiguous_format), k_pe
@@ -173,16 +183,17 @@ def kv_prolog_reference(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: O
 
 def latent_kv_prolog_reference(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor],
                                kv_norm_weight: Tensor, cos: Tensor, sin: Tensor, *, eps: float = 1e-6,
-                               rope_layout: str = "interleaved"):
+                               rope_layout: str = "interleaved", rope_compute_dtype: str = "float32"):
     """-> latent [B, S, L] (normed compressed kv), k_pe [B, S, R] (rotated): one latent cache entry."""
     _, latent, k_pe = latent_stage(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps)
-    return latent, rope_math(k_pe, cos, sin, rope_layout)
+    return latent, rope_math(k_pe, cos, sin, rope_layout, rope_compute_dtype)
 
 
 # ----------------------------------------------------------------------------------------- backward
 # torch.library.register_autograd wiring: one gradient per positional input, None where not needed.
 # Stage 1 (kv_a projection + RMSNorm) is recomputed once per backward from the saved inputs instead
-# of keeping its intermediates alive between forward and backward.
+# of keeping its intermediates alive between forward and backward. rope_compute_dtype needs nothing
+# here: both roundings are of one rotation, whose gradient `rope_backward_math` computes.
 
 def output_specs(output):
     """(shape, dtype, device) of each output: what a backward needs to make zeros for unused ones."""
@@ -262,7 +273,7 @@ def _latent_kv_prolog_backward(ctx, grad_latent, grad_k_pe):
 KV_PROLOG = define_op(
     "kv_prolog(Tensor hidden_states, Tensor kv_a_weight, Tensor? kv_a_bias, Tensor kv_norm_weight, "
     "Tensor kv_b_weight, Tensor cos, Tensor sin, *, int num_heads, int qk_nope_head_dim, "
-    'int v_head_dim, float eps=1e-06, str rope_layout="interleaved") '
+    'int v_head_dim, float eps=1e-06, str rope_layout="interleaved", str rope_compute_dtype="float32") '
     "-> (Tensor k_nope, Tensor value, Tensor k_pe)",
     check=check_kv_prolog_args, fake=_kv_prolog_fake, reference=kv_prolog_reference,
     autograd=(_kv_prolog_backward, _kv_prolog_setup_context),
@@ -270,8 +281,8 @@ KV_PROLOG = define_op(
 
 LATENT_KV_PROLOG = define_op(
     "latent_kv_prolog(Tensor hidden_states, Tensor kv_a_weight, Tensor? kv_a_bias, "
-    'Tensor kv_norm_weight, Tensor cos, Tensor sin, *, float eps=1e-06, str rope_layout="interleaved") '
-    "-> (Tensor latent, Tensor k_pe)",
+    'Tensor kv_norm_weight, Tensor cos, Tensor sin, *, float eps=1e-06, str rope_layout="interleaved", '
+    'str rope_compute_dtype="float32") -> (Tensor latent, Tensor k_pe)',
     check=check_latent_kv_prolog_args, fake=_latent_kv_prolog_fake, reference=latent_kv_prolog_reference,
     autograd=(_latent_kv_prolog_backward, _latent_kv_prolog_setup_context),
 )
@@ -280,7 +291,8 @@ LATENT_KV_PROLOG = define_op(
 # -------------------------------------------------------------------------------- public wrappers
 def kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor], kv_norm_weight: Tensor,
               kv_b_weight: Tensor, cos: Tensor, sin: Tensor, *, num_heads: int, qk_nope_head_dim: int,
-              v_head_dim: int, eps: float = 1e-6, rope_layout: str = "interleaved"):
+              v_head_dim: int, eps: float = 1e-6, rope_layout: str = "interleaved",
+              rope_compute_dtype: str = "float32"):
     """The fused MLA KV prolog: kv_a_proj -> split -> RMSNorm -> kv_b_proj -> split -> RoPE.
 
     Weights are in `nn.Linear` layout, exactly as the transformers modules hold them
@@ -294,6 +306,7 @@ def kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Te
         cos, sin: `[B, S, R/2]` or `[S, R/2]`, one value per rotation pair.
         num_heads, qk_nope_head_dim, v_head_dim: N, P, V.
         eps: RMSNorm epsilon. rope_layout: see :func:`mla_ops.rope`.
+        rope_compute_dtype: `"float32"` or `"activation"`: `compute_dtype` of :func:`mla_ops.rope`.
     Returns:
         `(k_nope [B, N, S, P], value [B, N, S, V], k_pe [B, 1, S, R])`, contiguous, in
         hidden_states' dtype.
@@ -301,16 +314,18 @@ def kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Te
     return torch.ops.mla.kv_prolog.default(
         hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin,
         num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, eps=eps,
-        rope_layout=rope_layout)
+        rope_layout=rope_layout, rope_compute_dtype=rope_compute_dtype)
 
 
 def latent_kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor],
                      kv_norm_weight: Tensor, cos: Tensor, sin: Tensor, *, eps: float = 1e-6,
-                     rope_layout: str = "interleaved"):
+                     rope_layout: str = "interleaved", rope_compute_dtype: str = "float32"):
     """Stage 1 of the prolog: what an MLA latent cache stores per token (L + R values).
 
+    Arguments as :func:`kv_prolog` (without kv_b_weight and the head dims).
     Returns:
         `(latent [B, S, L], k_pe [B, S, R])`: the RMS-normed compressed kv and the rotated k_pe.
     """
     return torch.ops.mla.latent_kv_prolog.default(
-        hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps=eps, rope_layout=rope_layout)
+        hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps=eps, rope_layout=rope_layout,
+        rope_compute_dtype=rope_compute_dtype)

@@ -5,7 +5,7 @@ The query path of transformers' DeepSeek-V2/V3 attention, op for op:
     q_lora_rank set (DeepSeek-V2, V3):  q = rms_norm(hidden @ q_a_weight^T (+ q_a_bias)) @ q_b_weight^T
     no q-LoRA (DeepSeek-V2-Lite):       q = hidden @ q_b_weight^T        (q_b_weight = q_proj.weight)
     q_nope | q_pe = split(q.view(B, S, N, P+R).transpose(1, 2), [P, R])
-    q_pe = rope(q_pe)
+    q_pe = rope(q_pe)            (rope_compute_dtype: `mla::rope`'s compute_dtype)
 
 Shapes: hidden [B, S, H]; q_a_weight [Q, H] (Q = q_lora_rank), q_norm_weight [Q], q_b_weight
 [N*(P+R), Q or H]; cos/sin [B, S, R/2] or [S, R/2]. Returns q_nope [B, N, S, P] and q_pe
@@ -28,6 +28,7 @@ from .._checks import (
     check_float,
     check_layout,
     check_rank,
+    check_rope_compute_dtype,
     check_rope_tables,
     check_same_device,
     check_same_dtype,
@@ -46,10 +47,11 @@ OP = "q_prolog"
 @memo_by_signature
 def check_q_prolog_args(hidden_states, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin, *,
                         num_heads: int, qk_nope_head_dim: int, eps: float = 1e-6,
-                        rope_layout: str = "interleaved") -> None:
+                        rope_layout: str = "interleaved", rope_compute_dtype: str = "float32") -> None:
     """hidden_states [B, S, H]; q_a_weight [Q, H] + q_norm_weight [Q] (+ q_a_bias [Q]) or all None;
     q_b_weight [N*(P+R), Q or H]; cos/sin [B, S, R/2] or [S, R/2]."""
     check_layout(OP, "rope_layout", rope_layout)
+    check_rope_compute_dtype(OP, "rope_compute_dtype", rope_compute_dtype)
     check_float(OP, "hidden_states", hidden_states)
     check_rank(OP, "hidden_states", hidden_states, 3, "[batch, seq, hidden]")
     for name, value in (("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim)):
@@ -92,9 +94,10 @@ def check_q_prolog_args(hidden_states, q_a_weight, q_a_bias, q_norm_weight, q_b_
 
 
 def _q_prolog_fake(hidden_states, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin, *, num_heads,
-                   qk_nope_head_dim, eps=1e-6, rope_layout="interleaved"):
+                   qk_nope_head_dim, eps=1e-6, rope_layout="interleaved", rope_compute_dtype="float32"):
     check_q_prolog_args(hidden_states, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin,
-                        num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, eps=eps, rope_layout=rope_layout)
+                        num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, eps=eps, rope_layout=rope_layout,
+                        rope_compute_dtype=rope_compute_dtype)
     batch, seq, _ = hidden_states.shape
     rope_dim = 2 * cos.shape[-1]
     return (hidden_states.new_empty((batch, num_heads, seq, qk_nope_head_dim)),
@@ -118,11 +121,13 @@ def _split_heads(q: Tensor, num_heads: int, qk_nope_head_dim: int):
 
 def q_prolog_reference(hidden_states: Tensor, q_a_weight: Optional[Tensor], q_a_bias: Optional[Tensor],
                        q_norm_weight: Optional[Tensor], q_b_weight: Tensor, cos: Tensor, sin: Tensor, *,
-                       num_heads: int, qk_nope_head_dim: int, eps: float = 1e-6, rope_layout: str = "interleaved"):
+                       num_heads: int, qk_nope_head_dim: int, eps: float = 1e-6, rope_layout: str = "interleaved",
+                       rope_compute_dtype: str = "float32"):
     """-> q_nope [B, N, S, P], q_pe [B, N, S, R] (rotated), contiguous, hidden's dtype."""
     _, q_in = _low_rank(hidden_states, q_a_weight, q_a_bias, q_norm_weight, eps)
     q_nope, q_pe = _split_heads(F.linear(q_in, q_b_weight), num_heads, qk_nope_head_dim)
-    return q_nope.clone(memory_format=torch.contiguous_format), rope_math(q_pe, cos, sin, rope_layout)
+    return (q_nope.clone(memory_format=torch.contiguous_format),
+            rope_math(q_pe, cos, sin, rope_layout, rope_compute_dtype))
 
 
 # --------------------------------------------------------------------------------------- backward
@@ -138,7 +143,8 @@ def _q_prolog_setup_context(ctx, inputs, keyword_only_inputs, output):
 def _q_prolog_backward(ctx, grad_q_nope, grad_q_pe):
     """Gradients for (hidden_states, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin).
 
-    The q-LoRA stage is recomputed from the saved inputs rather than kept alive between the passes."""
+    The q-LoRA stage is recomputed from the saved inputs rather than kept alive between the passes.
+    Either rope_compute_dtype has the gradient of the one rotation both round (`rope_backward_math`)."""
     hidden, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin = ctx.saved_tensors
     need = ctx.needs_input_grad
     grad_q_nope, grad_q_pe = (grad_or_zeros(g, spec) for g, spec in zip((grad_q_nope, grad_q_pe), ctx.output_specs))
@@ -164,7 +170,7 @@ def _q_prolog_backward(ctx, grad_q_nope, grad_q_pe):
 Q_PROLOG = define_op(
     "q_prolog(Tensor hidden_states, Tensor? q_a_weight, Tensor? q_a_bias, Tensor? q_norm_weight, "
     "Tensor q_b_weight, Tensor cos, Tensor sin, *, int num_heads, int qk_nope_head_dim, float eps=1e-06, "
-    'str rope_layout="interleaved") -> (Tensor q_nope, Tensor q_pe)',
+    'str rope_layout="interleaved", str rope_compute_dtype="float32") -> (Tensor q_nope, Tensor q_pe)',
     check=check_q_prolog_args, fake=_q_prolog_fake, reference=q_prolog_reference,
     autograd=(_q_prolog_backward, _q_prolog_setup_context),
 )
@@ -173,7 +179,8 @@ Q_PROLOG = define_op(
 # ---------------------------------------------------------------------------------- public wrapper
 def q_prolog(hidden_states: Tensor, q_a_weight: Optional[Tensor], q_a_bias: Optional[Tensor],
              q_norm_weight: Optional[Tensor], q_b_weight: Tensor, cos: Tensor, sin: Tensor, *, num_heads: int,
-             qk_nope_head_dim: int, eps: float = 1e-6, rope_layout: str = "interleaved"):
+             qk_nope_head_dim: int, eps: float = 1e-6, rope_layout: str = "interleaved",
+             rope_compute_dtype: str = "float32"):
     """The MLA query prolog: (q_a_proj -> RMSNorm ->) q_b_proj -> split -> RoPE of the rope part.
 
     Args:
@@ -184,9 +191,10 @@ def q_prolog(hidden_states: Tensor, q_a_weight: Optional[Tensor], q_a_bias: Opti
         cos, sin: `[B, S, R/2]` or `[S, R/2]`, one value per rotation pair.
         num_heads, qk_nope_head_dim: N, P. eps: the q_a_layernorm epsilon.
         rope_layout: see :func:`mla_ops.rope`.
+        rope_compute_dtype: `"float32"` or `"activation"`: `compute_dtype` of :func:`mla_ops.rope`.
     Returns:
         `(q_nope [B, N, S, P], q_pe [B, N, S, R])`, contiguous, in hidden_states' dtype.
     """
     return torch.ops.mla.q_prolog.default(hidden_states, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin,
                                           num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, eps=eps,
-                                          rope_layout=rope_layout)
+                                          rope_layout=rope_layout, rope_compute_dtype=rope_compute_dtype)

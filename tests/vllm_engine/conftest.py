@@ -28,6 +28,6 @@ def pytest_collection_modifyitems(config, items):
 def tiny_checkpoint(tmp_path_factory):
     """A 2-layer DeepSeek-V2 (latent 512 + rope 64, 4 heads, hidden 256, dense MLPs), fp32 safetensors,
     with the built-in tokenizer; positions up to 8192."""
-    from mla_ops.integrations.vllm.checkpoint import write_checkpoint
+    from mla_ops.testing.vllm_checkpoint import write_checkpoint
 
     return str(write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v2", seed=0))

@@ -2,7 +2,7 @@
 
 fp32 runs name CPU_MLA (`attention_backend`), which is what stock vLLM needs for fp32 on a CPU with AMX
 tiles too (its AMX_MLA takes bf16 only); bf16 runs leave the choice to vLLM: AMX_MLA on such a CPU,
-CPU_MLA elsewhere. Each engine runs in its own child process (`mla_ops.integrations.vllm.harness`) and is
+CPU_MLA elsewhere. Each engine runs in its own child process (`mla_ops.testing.vllm_engine`) and is
 shared by the tests of the module. Every run is profiled inside the engine, so the tests count which
 kernels ran — mla-ops' (`mla::*`) or vLLM's (`_C::*`) — independently of the plugin's own counter. The
 prompts cover lengths around the CPU MLA block size (16), a batch of mixed lengths, and a 1000-token
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from mla_ops.integrations.vllm.harness import run_llm
+from mla_ops.testing.vllm_engine import run_llm
 
 AMX = bool(torch.cpu._is_amx_tile_supported())
 # what vLLM's CPU platform picks by itself for a bf16 MLA model on this CPU (vllm/platforms/cpu.py)
@@ -244,6 +244,9 @@ def test_bf16_on_amx_keeps_vllms_faster_kernel_by_default(bf16_runs):
 @pytest.mark.parametrize("job", BF16_JOBS)
 @pytest.mark.parametrize("backend", BF16_BACKENDS)
 def test_bf16_logprobs_match_stock_vllm(bf16_runs, backend, job):
+    """bf16 plugin run against stock: the prefill step bit-equal, then every logprob within the backend's
+    BF16_LOGPROB_BOUND (whole bf16 logit steps, argued above from each kernel's rounding) until the first
+    differing greedy token, which must be a near-tie within that bound in the stock run."""
     bound = BF16_LOGPROB_BOUND[backend]
     index = BF16_JOBS.index(job)
     plugin = _routed_run(bf16_runs[backend])["jobs"][index]["outputs"]

@@ -1,7 +1,29 @@
-"""`vllm serve` with the plugin: the OpenAI-compatible server on 127.0.0.1, completion and chat requests,
-malformed requests, and shutdown. The server runs in vLLM's default mode (engine core in its own process,
-torch.compile on), so this also shows the plugin loading through the entry point in a process the test
-does not control, and its backend working inside vLLM's compiled model.
+"""`vllm serve` with the plugin: the OpenAI-compatible server on 127.0.0.1, completion and chat requests
+compared with the offline engine, malformed requests, and shutdown.
+
+The server runs in vLLM's default mode (engine core in its own process, torch.compile on), so this also
+shows the plugin loading through the entry point in a process the test does not control, and its backend
+working inside vLLM's compiled model. What the server answers is checked against `vllm.LLM` run offline
+(`mla_ops.testing.vllm_engine`) on the same checkpoint with the same settings (`ENGINE`: fp32, plugin on,
+vLLM's backend choice, compiled) and the same sampling (greedy, `ignore_eos`, fixed `max_tokens`), fed the
+prompt token ids the server reports it tokenized (chat template included). Together with
+test_vllm_engine.py (the offline engine with the plugin against stock vLLM) this ties the server's output
+to stock vLLM's.
+
+What must be equal, and why:
+* Requests sent one at a time: token ids, text and the top-5 logprobs of every step, bit for bit. Both
+  sides run one sequence per step through the same compiled graphs and kernels with the same thread
+  count, so every fp32 operation is the same and rounds the same; the front end (HTTP, tokenizer, engine
+  core process) may not change a number. The prompts share no full 16-token cache block, so no request
+  reads another's prefix-cached rows. The offline side is compiled too, with the same compile-cache key,
+  so it loads the code the server compiled from vLLM's compile cache (or, with the cache off, compiles
+  the same graph). Run eagerly it gives the same tokens but logprobs about 2e-5 off from the first step
+  on (measured): inductor fuses and reorders the fp32 elementwise and reduction ops.
+* The concurrent burst: token ids and text equal; logprobs within `FP32_BATCH_LOGPROB_ATOL`. The server
+  batches the burst as the requests arrive, the offline engine as one batch, and a different batch
+  composition changes GEMM and attention blocking, i.e. fp32 summation order (~1e-6 relative on the
+  attention output): far below the gap between this model's top two logits, which keeps greedy tokens
+  equal.
 """
 import json
 import os
@@ -12,13 +34,29 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from mla_ops.testing.vllm_engine import run_llm
+
 STARTUP_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 120
 MODEL_NAME = "tiny-deepseek-v2"
+# the engine settings of both sides: `vllm serve` flags and `run_llm` arguments
+ENGINE = dict(dtype="float32", max_model_len=512, max_num_seqs=4, kv_cache_mb=64)
+TOP_LOGPROBS = 5
+# fp32, different batch composition: summation order only (see the module docstring); the same bound as
+# test_vllm_engine.py's for fp32 kernels that differ in summation order
+FP32_BATCH_LOGPROB_ATOL = 1e-3
+
+# sent one at a time: (prompt, max_tokens); the first is sent twice (the repeat must be identical)
+SERIAL = [("The cache holds one latent", 24),
+          ("Every head of the layer reads the same compressed rows, block after block, step by step.", 24)]
+CHAT = ([{"role": "user", "content": "Name a color."}], 20)
+# in flight together, batched by the server with different lengths
+BURST = (["a", "two words", "a somewhat longer prompt of several tokens " * 3, "x " * 40], 20)
 
 
 def _free_loopback_port() -> int:
@@ -53,6 +91,15 @@ class Server:
     def post(self, path, body=None, **kw):
         return _request(self.base + path, body, **kw)
 
+    def complete(self, prompt, max_tokens: int) -> dict:
+        """A greedy completion with its token ids and per-step top logprobs (keyed by token id)."""
+        status, body = self.post("/v1/completions", {
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "logprobs": TOP_LOGPROBS, "return_token_ids": True,
+            "return_tokens_as_token_ids": True})
+        assert status == 200, body
+        return body
+
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
@@ -63,8 +110,9 @@ def server(tiny_checkpoint, tmp_path_factory):
     # The module below is the same server (run_server) behind vLLM's older entry point.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_checkpoint,
            "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "512",
-           "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20)]
+           "--served-model-name", MODEL_NAME, "--dtype", ENGINE["dtype"],
+           "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+           "--kv-cache-memory-bytes", str(ENGINE["kv_cache_mb"] << 20)]
     env = dict(os.environ, MLA_OPS_VLLM_PLUGIN="1", TOKENIZERS_PARALLELISM="false")
     with open(log_path, "w") as log:
         # its own session, so teardown can stop the server and the engine process it started
@@ -101,6 +149,43 @@ def _stop(proc: subprocess.Popen) -> None:
             pass
 
 
+@pytest.fixture(scope="module")
+def served(server):
+    """The server's answers: SERIAL one request at a time (the first twice), CHAT, then BURST at once."""
+    serial = [server.complete(prompt, n) for prompt, n in SERIAL]
+    repeat = server.complete(*SERIAL[0])
+    messages, n = CHAT
+    status, chat = server.post("/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": messages, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert status == 200, chat
+    prompts, n = BURST
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        burst = list(pool.map(lambda p: server.complete(p, n), prompts))
+    return {"serial": serial, "repeat": repeat, "chat": chat, "burst": burst}
+
+
+@pytest.fixture(scope="module")
+def offline(served, tiny_checkpoint):
+    """`vllm.LLM` with ENGINE's settings on the prompt token ids the server used: one job per serial request
+    and the chat (one sequence each, as the server ran them), one job for the burst (one batch)."""
+    serial = [{"prompts": [c["choices"][0]["prompt_token_ids"]], "max_tokens": n}
+              for c, (_, n) in zip(served["serial"], SERIAL)]
+    chat = {"prompts": [served["chat"]["prompt_token_ids"]], "max_tokens": CHAT[1]}
+    burst = {"prompts": [c["choices"][0]["prompt_token_ids"] for c in served["burst"]], "max_tokens": BURST[1]}
+    report = run_llm(tiny_checkpoint, serial + [chat, burst], plugin=True, enforce_eager=False,
+                     logprobs=TOP_LOGPROBS, **ENGINE)
+    jobs = [job["outputs"] for job in report["jobs"]]
+    return {"report": report, "serial": [job[0] for job in jobs[:len(SERIAL)]], "chat": jobs[-2][0],
+            "burst": jobs[-1]}
+
+
+def _served_logprobs(choice) -> list[dict]:
+    """The completion's top logprobs per step as the offline report keys them: {token id (str): logprob}."""
+    return [{key.removeprefix("token_id:"): lp for key, lp in step.items()}
+            for step in choice["logprobs"]["top_logprobs"]]
+
+
 def test_server_runs_the_plugin_backend(server):
     log = server.log()
     assert ("mla-ops vLLM plugin: registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm; CPU_MLA decode -> "
@@ -112,40 +197,49 @@ def test_server_runs_the_plugin_backend(server):
     assert steered == bool(torch.cpu._is_amx_tile_supported())
 
 
-def test_completion(server):
-    request = {"model": MODEL_NAME, "prompt": "The cache holds one latent", "max_tokens": 24,
-               "temperature": 0,
-               "ignore_eos": True}
-    status, body = server.post("/v1/completions", request)
-    assert status == 200, body
-    assert isinstance(body["choices"][0]["text"], str) and body["choices"][0]["text"]
-    assert body["usage"]["completion_tokens"] == 24
-    # deterministic: the same greedy request gives the same text
-    again = server.post("/v1/completions", request)[1]
-    assert again["choices"][0]["text"] == body["choices"][0]["text"]
+def test_offline_reference_runs_the_same_backend(offline):
+    # the comparison is between two runs of the plugin's backend, not a stock run on one side
+    report = offline["report"]
+    assert {(r["impl"], r["backend"]) for r in report["layers"]} == {
+        ("mla_ops.integrations.vllm.cpu.MlaOpsCPUMLAImpl", "CPU_MLA")}
+    assert report["worker_plugin_states"] == ["registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm"]
 
 
-def test_chat_completion(server):
-    status, body = server.post("/v1/chat/completions", {
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": "Name a color."}],
-        "max_tokens": 20, "temperature": 0, "ignore_eos": True})
-    assert status == 200, body
+@pytest.mark.parametrize("index", range(len(SERIAL)))
+def test_completion_equals_the_offline_engine(served, offline, index):
+    choice, ours = served["serial"][index]["choices"][0], offline["serial"][index]
+    assert served["serial"][index]["usage"]["completion_tokens"] == SERIAL[index][1]
+    assert choice["finish_reason"] == "length"
+    assert choice["token_ids"] == ours["token_ids"]
+    assert choice["text"] == ours["text"] and choice["text"]
+    assert _served_logprobs(choice) == ours["logprobs"]  # bit for bit: the same fp32 computation
+
+
+def test_repeated_completion_is_identical(served):
+    first, again = served["serial"][0]["choices"][0], served["repeat"]["choices"][0]
+    assert (again["token_ids"], again["text"], again["logprobs"]) == (
+        first["token_ids"], first["text"], first["logprobs"])
+
+
+def test_chat_completion_equals_the_offline_engine(served, offline):
+    body, ours = served["chat"], offline["chat"]
     choice = body["choices"][0]
-    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
-    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 20
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == CHAT[1]
+    assert choice["token_ids"] == ours["token_ids"]
+    assert choice["message"]["content"] == ours["text"] and ours["text"]
 
 
-def test_concurrent_mixed_length_requests(server):
-    # a small bounded burst: four requests in flight at once, batched by the engine with different lengths
-    from concurrent.futures import ThreadPoolExecutor
-
-    prompts = ["a", "two words", "a somewhat longer prompt of several tokens " * 3, "x " * 40]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda p: server.post("/v1/completions", {
-            "model": MODEL_NAME, "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}),
-            prompts))
-    assert [status for status, _ in results] == [200] * 4
-    assert all(body["usage"]["completion_tokens"] == 20 for _, body in results)
+def test_concurrent_mixed_length_requests_equal_the_offline_batch(served, offline):
+    assert len(served["burst"]) == len(offline["burst"]) == len(BURST[0])
+    for body, ours in zip(served["burst"], offline["burst"]):
+        choice = body["choices"][0]
+        assert body["usage"]["completion_tokens"] == BURST[1]
+        assert choice["token_ids"] == ours["token_ids"]
+        assert choice["text"] == ours["text"]
+        for step, (a, b) in enumerate(zip(_served_logprobs(choice), ours["logprobs"], strict=True)):
+            worst = max(abs(a[t] - b[t]) for t in set(a) & set(b))
+            assert worst <= FP32_BATCH_LOGPROB_ATOL, f"step {step}: |logprob difference| {worst:.3g}"
 
 
 @pytest.mark.parametrize("case", ["not_json", "negative_max_tokens", "unknown_model", "prompt_too_long"])

@@ -21,21 +21,27 @@ CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # 5.24+, 4.56-5
 
 @dataclasses.dataclass(frozen=True)
 class LayerPatch:
-    """What one patched attention class or module needs (family and release are None for the hub code)."""
+    """What one patched attention class or module needs (family and release are None for the hub code;
+    `remote_rope_compute_dtype` is the hub code's stock rounding, found by running its RoPE at apply time)."""
 
     options: "object"  # PatchOptions (defined with apply())
     family: Optional[MlaFamily]
     release: Optional[Release]
+    remote_rope_compute_dtype: str = "float32"
+
+    def rope_compute_dtype(self, config) -> str:
+        """The rope_compute_dtype the ops rotate this layer's q_pe / k_pe with: the patch option, or for
+        "stock" the one reproducing the stock forward's rounding (per model: a family whose config picks
+        the RoPE function may pick its rounding with it)."""
+        chosen = self.options.rope_compute_dtype
+        if chosen != "stock":
+            return chosen
+        return self.remote_rope_compute_dtype if self.family is None else self.family.stock_rope_compute_dtype(config)
 
 
 def layer_patch(module) -> LayerPatch:
     """The LayerPatch the patch stored on this attention module (or on its class)."""
     return getattr(module, PATCH_ATTRIBUTE)
-
-
-def patch_options(module):
-    """The PatchOptions this attention module (or its class) was patched with."""
-    return layer_patch(module).options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +78,20 @@ def sort_arguments(family: MlaFamily, args: tuple, kwargs: dict) -> ForwardInput
 # --------------------------------------------------------------------------------------------- RoPE
 @dataclasses.dataclass(frozen=True)
 class Rotary:
-    """One forward's RoPE for the ops: per-pair tables [B, S, R/2] (or [S, R/2]) and the layout.
-    `layout` None is NoPE: the tables are the identity rotation and `stock` is None."""
+    """One forward's RoPE for the ops: per-pair tables [B, S, R/2] (or [S, R/2]), the layout and the
+    rope_compute_dtype (where the rotation rounds). `layout` None is NoPE: the tables are the identity
+    rotation and `stock` is None."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     layout: Optional[str]
     stock: object  # the position embeddings as the stock forward received them
+    compute_dtype: str = "float32"
+
+    @property
+    def op_layout(self) -> str:
+        """The layout the prolog ops get (any, for NoPE: the identity rotation moves nothing)."""
+        return self.layout or "interleaved"
 
 
 def rotary(attn, patch: LayerPatch, position_embeddings, hidden_states) -> Rotary:
@@ -88,12 +101,13 @@ def rotary(attn, patch: LayerPatch, position_embeddings, hidden_states) -> Rotar
         seq = hidden_states.shape[1]
         return Rotary(hidden_states.new_ones(seq, half, dtype=torch.float32),
                       hidden_states.new_zeros(seq, half, dtype=torch.float32), None, None)
+    compute_dtype = patch.rope_compute_dtype(attn.config)
     if layout == "interleaved":  # DeepSeek-V2: complex64 freqs_cis [B, S, R/2]
         freqs = position_embeddings.to(hidden_states.device)
-        return Rotary(freqs.real, freqs.imag, layout, freqs)
+        return Rotary(freqs.real, freqs.imag, layout, freqs, compute_dtype)
     cos, sin = position_embeddings  # [B, S, R] = cat(per-pair, per-pair) for both layouts
     half = cos.shape[-1] // 2
-    return Rotary(cos[..., :half], sin[..., :half], layout, (cos, sin))
+    return Rotary(cos[..., :half], sin[..., :half], layout, (cos, sin), compute_dtype)
 
 
 def split_query(attn, hidden_states):
@@ -120,14 +134,14 @@ def query(attn, patch: LayerPatch, hidden_states, rot: Rotary, *, rope_op: bool 
             hidden_states, q_a.weight if lora else None, q_a.bias if lora else None,
             q_norm.weight if lora else None, q_b.weight, rot.cos, rot.sin, num_heads=attn.num_heads,
             qk_nope_head_dim=attn.qk_nope_head_dim, eps=q_norm.variance_epsilon if lora else 1e-6,
-            rope_layout=rot.layout or "interleaved")
+            rope_layout=rot.op_layout, rope_compute_dtype=rot.compute_dtype)
     q_nope, q_pe = split_query(attn, hidden_states)
     if family.lora_scales:  # LongCat scales both parts before the rotation
         q_nope, q_pe = q_nope * attn.mla_scale_q_lora, q_pe * attn.mla_scale_q_lora
     if rot.layout is None:
         return q_nope, q_pe
     if opts.rope or rope_op:
-        return q_nope, torch.ops.mla.rope(q_pe, rot.cos, rot.sin, layout=rot.layout)
+        return q_nope, torch.ops.mla.rope(q_pe, rot.cos, rot.sin, layout=rot.layout, compute_dtype=rot.compute_dtype)
     stock = getattr(family.modeling, STOCK_ROPE_FUNCTION[rot.layout])
     stock_args = (rot.stock,) if rot.layout == "interleaved" else rot.stock
     return q_nope, stock(q_pe, q_pe[:, :1], *stock_args)[0]  # the stock function rotates q (and a dummy k)
@@ -144,21 +158,21 @@ def scale_query(attn, patch: LayerPatch, query_states, position_ids):
 
 
 # ----------------------------------------------------------------------------------------- KV path
-def kv_prolog_call(attn, hidden_states, cos, sin, rope_layout):
+def kv_prolog_call(attn, hidden_states, rot: Rotary):
     """mla.kv_prolog with this layer's weights -> (k_nope [B,N,S,P], value [B,N,S,V], k_pe [B,1,S,R])."""
     kv_a, norm = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm
     return torch.ops.mla.kv_prolog(
-        hidden_states, kv_a.weight, kv_a.bias, norm.weight, attn.kv_b_proj.weight, cos, sin,
+        hidden_states, kv_a.weight, kv_a.bias, norm.weight, attn.kv_b_proj.weight, rot.cos, rot.sin,
         num_heads=attn.num_heads, qk_nope_head_dim=attn.qk_nope_head_dim, v_head_dim=attn.v_head_dim,
-        eps=norm.variance_epsilon, rope_layout=rope_layout)
+        eps=norm.variance_epsilon, rope_layout=rot.op_layout, rope_compute_dtype=rot.compute_dtype)
 
 
 def latent_prolog(attn, patch: LayerPatch, hidden_states, rot: Rotary):
     """mla.latent_kv_prolog -> (latent [B, S, L] normed (and LongCat-scaled), k_pe [B, S, R] rotated)."""
     kv_a, norm = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm
     latent, k_pe = torch.ops.mla.latent_kv_prolog(hidden_states, kv_a.weight, kv_a.bias, norm.weight, rot.cos,
-                                                  rot.sin, eps=norm.variance_epsilon,
-                                                  rope_layout=rot.layout or "interleaved")
+                                                  rot.sin, eps=norm.variance_epsilon, rope_layout=rot.op_layout,
+                                                  rope_compute_dtype=rot.compute_dtype)
     if patch.family.lora_scales:
         latent = latent * attn.mla_scale_kv_lora
     return latent, k_pe

@@ -26,6 +26,12 @@ each marked by one name the forward uses:
 * `expand_kv`: the stock cache holds the latent (transformers >= 5.15; matters for rope=True with
   kv_prolog=False, which keeps the stock KV path);
 * `pad`: DeepSeek-V2 of 4.54 - 5.23 pads V to the qk head dim for flash attention; padded the same way.
+
+Each RoPE function is also run on a small random input: in fp32 to check it rotates the way its
+layout says, and in bf16 and fp16 to find where it rounds, i.e. which mla `rope_compute_dtype`
+reproduces it bit for bit (`MlaFamily.rope_rounding`): DeepSeek-V2's complex multiplication is fp32
+("float32"); DeepSeek-V3's functions, and so every family generated from its forward, compute
+x*cos + rotate_half(x)*sin in the model's dtype ("activation").
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from ..._checks import ROPE_COMPUTE_DTYPES
 from ...ops.rope import rope_math
 
 # Names every MLA forward of transformers >= 4.54 may use for what the patch reproduces: the q/kv
@@ -75,14 +82,17 @@ class MlaFamily:
     """What the patch needs to know about one transformers MLA attention class.
 
     `rope`: "interleaved" | "half" | "neox" (fixed by the forward), "config" (`config.rope_interleave`
-    chooses "half" or "neox"), or "none" (NoPE). `parameters`: the stock forward's parameter names
-    after `self`, in order (positional calls are mapped onto them). `refused`: why it cannot be
-    patched (None when it can)."""
+    chooses "half" or "neox"), or "none" (NoPE). `rope_rounding`: (layout, compute_dtype) for each
+    RoPE function the forward calls: the mla `rope_compute_dtype` that reproduces its rounding bit for
+    bit in bf16 and fp16 ("float32" | "activation"), None where neither does. `parameters`: the stock
+    forward's parameter names after `self`, in order (positional calls are mapped onto them).
+    `refused`: why it cannot be patched (None when it can)."""
 
     attention: type
     model_type: str
     rope: str
     parameters: tuple[str, ...]
+    rope_rounding: tuple[tuple[str, Optional[str]], ...] = ()
     lora_scales: bool = False
     output_gate: bool = False
     query_position_scale: bool = False
@@ -104,6 +114,13 @@ class MlaFamily:
         if self.rope == "config":
             return "half" if getattr(config, "rope_interleave", True) else "neox"
         return None if self.rope == "none" else self.rope
+
+    def stock_rope_compute_dtype(self, config) -> str:
+        """The mla rope_compute_dtype that rotates as this model's stock forward does. "float32" for NoPE
+        (nothing is rotated) and for a RoPE function no op rounding reproduces (the nearer one to
+        exact: the patch then matches stock in fp32 only)."""
+        layout = self.rope_layout(config)
+        return dict(self.rope_rounding).get(layout) or "float32"
 
     def model_classes(self) -> tuple[Optional[type], Optional[type]]:
         """(the decoder `*Model`, the `*ForCausalLM`) of this family's modeling module, for a class-level
@@ -165,37 +182,76 @@ def describe(cls: type) -> MlaFamily:
                                              f"does not know"
     if refused is None:
         refused = rope_function_refusal(sys.modules[module], rope_functions)
-    return MlaFamily(attention=cls, model_type=model_type, rope=rope, parameters=parameters,
+    rounding = () if refused else tuple((ROPE_FUNCTIONS[name], stock_rope_rounding(sys.modules[module], name))
+                                        for name in rope_functions)
+    return MlaFamily(attention=cls, model_type=model_type, rope=rope, parameters=parameters, rope_rounding=rounding,
                      lora_scales=features["lora_scales"], output_gate=features["output_gate"],
                      query_position_scale=features["query_position_scale"],
                      latent_stock_cache=features["latent_stock_cache"],
                      flash_value_padding=features["flash_value_padding"], refused=refused)
 
 
+def _rope_probe(dtype: torch.dtype):
+    """A small random q_pe-like input x [B, N, S, R] and per-pair tables cos/sin [B, S, R/2], in `dtype`
+    (rotary embeddings hand the tables to the attention in the model's dtype)."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, seq, rope_dim = 2, 2, 5, 16
+    x = torch.randn(batch, heads, seq, rope_dim, generator=generator).to(dtype)
+    angles = torch.randn(batch, seq, rope_dim // 2, generator=generator)
+    return x, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _stock_rotation(function, layout: str):
+    """`function` (a transformers RoPE function of `layout`) as rotate(x, cos, sin) on per-pair tables."""
+    if layout == "interleaved":  # DeepSeek-V2's apply_rotary_emb takes complex freqs_cis [B, S, R/2]
+        return lambda x, cos, sin: function(x, x[:, :1], torch.complex(cos.float(), sin.float()))[0]
+    return lambda x, cos, sin: function(x, x[:, :1], torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))[0]
+
+
 def rope_function_refusal(modeling, names) -> Optional[str]:
     """Run each RoPE function the forward names on a small random input and check it rotates the way
     its layout says (a family could reuse a name for another rotation); None when all do."""
-    generator = torch.Generator().manual_seed(0)
-    batch, heads, seq, rope_dim = 2, 2, 5, 16
-    x = torch.randn(batch, heads, seq, rope_dim, generator=generator)
-    angles = torch.randn(batch, seq, rope_dim // 2, generator=generator)
-    cos, sin = angles.cos(), angles.sin()
+    x, cos, sin = _rope_probe(torch.float32)
     for name in names:
         function, layout = getattr(modeling, name, None), ROPE_FUNCTIONS[name]
         if function is None:
             return f"its forward calls {name}, which its module does not define"
         with torch.no_grad():
             try:
-                if layout == "interleaved":
-                    got = function(x, x[:, :1], torch.polar(torch.ones_like(angles), angles))[0]
-                else:
-                    got = function(x, x[:, :1], torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))[0]
+                got = _stock_rotation(function, layout)(x, cos, sin)
             except Exception as exc:  # another signature: not the function the layout stands for
                 return f"its {name} does not take the arguments of the {layout} RoPE ({type(exc).__name__})"
             expected = rope_math(x, cos, sin, layout)  # the op's formula, called without dispatch
         if got.shape != expected.shape or not torch.allclose(got, expected, rtol=0, atol=1e-5):
             return f"its {name} does not compute the {layout} rotation the patch reproduces"
     return None
+
+
+def matching_rope_compute_dtype(rotate, layout: str) -> Optional[str]:
+    """The mla rope_compute_dtype whose rotation equals `rotate(x, cos, sin)` bit for bit in bf16 and in
+    fp16 (x [B, N, S, R], per-pair cos/sin [B, S, R/2], all in that dtype), or None when neither does.
+
+    fp32 cannot tell them apart (both are the fp32 formula there); in a half type "float32" rounds
+    once and "activation" rounds every product and sum, which a random input shows."""
+    for candidate in ROPE_COMPUTE_DTYPES:
+        matches = True
+        for dtype in (torch.bfloat16, torch.float16):
+            x, cos, sin = _rope_probe(dtype)
+            with torch.no_grad():
+                try:
+                    got = rotate(x, cos, sin)
+                except Exception:  # a rotation that does not run in half precision reproduces neither
+                    return None
+                matches = matches and torch.equal(got, rope_math(x, cos, sin, layout, candidate))
+        if matches:
+            return candidate
+    return None
+
+
+def stock_rope_rounding(modeling, name: str) -> Optional[str]:
+    """Where the family's RoPE function `name` rounds: the rope_compute_dtype reproducing it (or None)."""
+    layout = ROPE_FUNCTIONS[name]
+    return matching_rope_compute_dtype(_stock_rotation(getattr(modeling, name), layout), layout)
 
 
 def is_mla_attention(module: torch.nn.Module) -> bool:

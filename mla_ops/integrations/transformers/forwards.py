@@ -36,7 +36,7 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
     q_nope, q_pe = query(self, patch, hidden_states, rot)
     cache, release = inputs.cache, patch.release
     if opts.kv_prolog and not patch.family.lora_scales:
-        k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, rot.cos, rot.sin, rot.layout or "interleaved")
+        k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, rot)
         key_states = dense_key(k_nope, k_pe)
     elif opts.kv_prolog:  # LongCat scales the latent between the norm and kv_b: the latent prolog, then kv_b
         latent, k_pe = latent_prolog(self, patch, hidden_states, rot)
@@ -66,7 +66,7 @@ def _stock_kv_with_mla_rope(attn, patch, hidden_states, rot, inputs):
         latent = latent * attn.mla_scale_kv_lora
     k_pe = k_pe.view(batch, 1, seq, attn.qk_rope_head_dim)
     if rot.layout is not None:
-        k_pe = torch.ops.mla.rope(k_pe, rot.cos, rot.sin, layout=rot.layout)
+        k_pe = torch.ops.mla.rope(k_pe, rot.cos, rot.sin, layout=rot.layout, compute_dtype=rot.compute_dtype)
     cache, release = inputs.cache, patch.release
     if patch.family.latent_stock_cache:
         latent = latent.view(batch, 1, seq, attn.kv_lora_rank)

@@ -23,6 +23,10 @@ Options (each routes one piece; the rest stays stock):
 * `rope` — `q_pe` is rotated with `mla.rope` (and `k_pe` too when `kv_prolog=False`).
 * `rms_norm` — the family's RMSNorm modules go through `mla.rms_norm`.
 * `cache` — `"dense"` (above) or `"paged"`: the MLA latent cache (see `paged_cache` and `paged_attention`).
+* `rope_compute_dtype` — where the ops round the rotation of q_pe / k_pe: `"stock"` (default) as the
+  model's own forward does, so a bf16 / fp16 model gives stock's logits bit for bit (DeepSeek-V2's
+  complex multiplication in fp32; DeepSeek-V3, the families built on its forward and the hub remote code
+  in the model's dtype); `"float32"` rotates in fp32 and rounds once, the more accurate rotation.
 
 cos/sin always come from the model's own rotary embedding (YaRN scaling included), never recomputed.
 Memory trade-off of the dense cache: per token and layer it holds N*(P+R) + N*V values (V2-Lite:
@@ -38,15 +42,18 @@ from typing import Optional
 
 import torch
 
+from ..._checks import ROPE_COMPUTE_DTYPES
 from .attention_parts import PATCH_ATTRIBUTE, LayerPatch
 from .families import MlaFamily, describe, families_of, is_mla_attention, is_rms_norm_class, norm_refusal
 from .forwards import mla_attention_forward, rms_norm_forward
 from .paged_attention import ABSORBED_ATTRIBUTE
 from .patching import PatchHandle, open_handle
 from .releases import check_paged_supported, check_transformers_version, current_release
-from .remote_code import REMOTE_FLASH_ATTENTION, is_remote_attention, remote_attention_forward
+from .remote_code import REMOTE_FLASH_ATTENTION, is_remote_attention, remote_attention_forward, stock_rope_compute_dtype
 
 CACHE_MODES = ("dense", "paged")
+# "stock": the rounding of the model's own forward; or one of the ops' rope_compute_dtype values
+PATCH_ROPE_COMPUTE_DTYPES = ("stock", *ROPE_COMPUTE_DTYPES)
 DEFAULT_FAMILY = "deepseek_v2"  # the class-level patch's family when none is named
 
 
@@ -57,11 +64,12 @@ class PatchOptions:
     rope: bool = False
     cache: str = "dense"
     q_prolog: bool = False
+    rope_compute_dtype: str = "stock"
 
 
 def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rms_norm: bool = False,
           rope: bool = False, cache: str = "dense", q_prolog: bool = False,
-          family: Optional[str] = None) -> PatchHandle:
+          family: Optional[str] = None, rope_compute_dtype: str = "stock") -> PatchHandle:
     """Patch a model's MLA attention (and optionally its RMSNorms / RoPE) onto `torch.ops.mla`.
 
     Args:
@@ -74,6 +82,16 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
         q_prolog: the query path through `mla.q_prolog`.
         family: class level only: the transformers model_type whose classes to patch (default
             "deepseek_v2"; `mla-ops info` lists the installed MLA families).
+        rope_compute_dtype: where the ops round the RoPE they compute (k_pe in the prologs, q_pe with
+            rope=True, q_prolog=True or cache="paged"; with rope=False the dense mode leaves q_pe to the
+            stock function). "stock" (default): as the model's own forward, read off its RoPE function
+            (DeepSeek-V2: fp32 complex multiplication; DeepSeek-V3, its family and the hub remote code:
+            in the model's dtype), so fp16 / bf16 models give stock's logits bit for bit. "float32":
+            rotate in fp32 and round once (more accurate in fp16 / bf16, no longer bit-identical to a
+            stock that rounds in its dtype; on the NPU the only rounding the fused PyPTO stage 2 computes).
+            "activation": cast cos/sin to the model's dtype and round every product and sum to it.
+            In an fp32 model all three rotate in fp32 ("float32" may differ from the elementwise stock
+            formula by an ulp in rows of fewer than 8 rotation pairs, where ATen's complex multiply fuses).
     Returns:
         A PatchHandle: `handle.revert()` (or leaving a `with` block) restores the stock forwards.
         Applying again to the same model (or to the classes) first reverts the previous patch there:
@@ -91,7 +109,11 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
         raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
     if cache == "paged" and not kv_prolog:
         raise ValueError("cache='paged' needs kv_prolog=True (the latent prolog feeds the paged cache)")
-    options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache, q_prolog=q_prolog)
+    if rope_compute_dtype not in PATCH_ROPE_COMPUTE_DTYPES:
+        raise ValueError(f"rope_compute_dtype must be one of {PATCH_ROPE_COMPUTE_DTYPES} (\"stock\": round RoPE "
+                         f"as the model's own forward does; \"float32\": rotate in fp32), got {rope_compute_dtype!r}")
+    options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache, q_prolog=q_prolog,
+                           rope_compute_dtype=rope_compute_dtype)
     # Everything that can refuse this model is checked before the previous patch is touched.
     if model is None:
         targets = _class_targets(family or DEFAULT_FAMILY, options)
@@ -100,7 +122,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
     scope = "classes" if model is None else weakref.ref(model)
     handle = open_handle(options, scope, derived=(ABSORBED_ATTRIBUTE,))
     try:
-        _patch(handle, model, targets, options)
+        _patch(handle, model, targets)
     except BaseException:
         handle.revert()
         raise
@@ -109,7 +131,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
 
 @dataclasses.dataclass
 class _Targets:
-    attention: list  # (module or class, LayerPatch or None for the remote code)
+    attention: list  # (module or class, LayerPatch; its family is None for the remote code)
     norms: list  # modules or classes
     decoders: list  # (decoder module or class, causal-LM module or class or None)
 
@@ -168,7 +190,7 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
                                  "kv_prolog=True and q_prolog=False (rope=True and rms_norm=True can be added)")
             found_attention = True
             if patch_attention:
-                attention.append((module, None))
+                attention.append((module, LayerPatch(options, None, None, stock_rope_compute_dtype(module))))
         elif type(module).__name__ == REMOTE_FLASH_ATTENTION and patch_attention:
             raise NotImplementedError("the hub remote code's DeepseekV2FlashAttention2 takes flash-attention "
                                       "masks this patch does not build: load the model with "
@@ -212,7 +234,7 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
     return _Targets(attention, norms, decoders)
 
 
-def _patch(handle: PatchHandle, model, targets: _Targets, options: PatchOptions) -> None:
+def _patch(handle: PatchHandle, model, targets: _Targets) -> None:
     if model is None:
         for cls, layer in targets.attention:
             handle.set(cls, PATCH_ATTRIBUTE, layer)
@@ -225,8 +247,8 @@ def _patch(handle: PatchHandle, model, targets: _Targets, options: PatchOptions)
             handle.patched_modules += 1
     else:
         for module, layer in targets.attention:
-            forward = remote_attention_forward if layer is None else mla_attention_forward
-            handle.set(module, PATCH_ATTRIBUTE, layer or LayerPatch(options, None, None), in_dict=True)
+            forward = remote_attention_forward if layer.family is None else mla_attention_forward
+            handle.set(module, PATCH_ATTRIBUTE, layer, in_dict=True)
             handle.set(module, "forward", types.MethodType(forward, module), in_dict=True)
             handle.patched_modules += 1
         for module in targets.norms:

@@ -7,11 +7,13 @@ transformers, so this works whichever transformers the remote code runs on.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
-from .attention_parts import dense_key, kv_prolog_call, patch_options, split_query
+from .attention_parts import Rotary, dense_key, kv_prolog_call, layer_patch, split_query
+from .families import matching_rope_compute_dtype
 
 REMOTE_FLASH_ATTENTION = "DeepseekV2FlashAttention2"  # the hub code's FA2 variant: other mask convention
 
@@ -36,6 +38,28 @@ def _remote_rope_pairs(attn, hidden_states, position_ids, kv_seq_len):
     return cos[position_ids][..., :half], sin[position_ids][..., :half]
 
 
+@functools.lru_cache(maxsize=None)
+def _stock_rounding(modeling) -> str:
+    apply_rotary_pos_emb = getattr(modeling, "apply_rotary_pos_emb", None)
+    if apply_rotary_pos_emb is None:  # a variant of the code without the published function: the fp32 rotation
+        return "float32"
+
+    def rotate(x, cos, sin):  # per-pair tables [B, S, R/2] -> the code's [T, R] tables + position_ids
+        batch, seq = cos.shape[:2]
+        positions = torch.arange(batch * seq).view(batch, seq)
+        full = [torch.cat((t, t), -1).reshape(batch * seq, -1) for t in (cos, sin)]
+        return apply_rotary_pos_emb(x, x[:, :1], *full, positions)[0]
+
+    return matching_rope_compute_dtype(rotate, "half") or "float32"
+
+
+def stock_rope_compute_dtype(attn) -> str:
+    """The rope_compute_dtype reproducing the hub code's `apply_rotary_pos_emb` (found by running it on a
+    small random bf16 and fp16 input, once per modeling module): "activation" for the published code,
+    which rotates in the model's dtype with cos/sin tables cast to it. "float32" when neither matches."""
+    return _stock_rounding(sys.modules[type(attn).__module__])
+
+
 def _past_length(past_key_value, layer_idx, new_tokens) -> int:
     if past_key_value is None:
         return 0
@@ -49,17 +73,20 @@ def remote_attention_forward(self, hidden_states, attention_mask=None, position_
     """Drop-in for the hub remote code's `DeepseekV2Attention.forward` (eager attention).
 
     KV path through `mla.kv_prolog(rope_layout="half")`: its k_pe is de-interleaved exactly like the
-    remote code's `apply_rotary_pos_emb` leaves it, so the cached keys are the ones it would cache."""
-    opts = patch_options(self)  # kv_prolog=True and cache="dense": apply() refuses the rest for remote code
+    remote code's `apply_rotary_pos_emb` leaves it, so the cached keys are the ones it would cache, and
+    rotated with the rounding the patch chose (by default the remote code's own: in the model's dtype)."""
+    patch = layer_patch(self)
+    opts = patch.options  # kv_prolog=True and cache="dense": apply() refuses the rest for remote code
     batch, seq, _ = hidden_states.shape
     q_nope, q_pe = split_query(self, hidden_states)
     kv_seq_len = seq + _past_length(past_key_value, self.layer_idx, seq)
     if position_ids is None:
         position_ids = torch.arange(kv_seq_len - seq, kv_seq_len, device=hidden_states.device)[None].expand(batch, -1)
     cos, sin = _remote_rope_pairs(self, hidden_states, position_ids, kv_seq_len)
-    k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, cos, sin, "half")
+    rot = Rotary(cos, sin, "half", None, patch.rope_compute_dtype(self.config))
+    k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, rot)
     if opts.rope:
-        q_pe = torch.ops.mla.rope(q_pe, cos, sin, layout="half")
+        q_pe = torch.ops.mla.rope(q_pe, cos, sin, layout="half", compute_dtype=rot.compute_dtype)
     else:
         full_cos, full_sin = self.rotary_emb(hidden_states, seq_len=kv_seq_len)
         q_pe, _ = sys.modules[type(self).__module__].apply_rotary_pos_emb(

@@ -79,6 +79,7 @@ DEFAULT_GATHER_TILE = GatherTileConfig("default", key_tile_tokens=16, value_tile
 LARGE_TOKEN_GATHER_TILE = GatherTileConfig("large_token", key_tile_tokens=8, value_tile_tokens=8)
 LARGE_TOKEN_THRESHOLD = 4096   # heads*dim above which the large-token tile is used (key or value)
 UB_BYTES = 192 * 1024          # Ascend 910B2 unified buffer: one vector tile must fit in it
+TILE_ALIGN_BYTES = 32           # a tile's last dim is moved in 32-byte blocks (pypto's BLOCK_SIZE)
 
 
 def select_gather_tile_config(key_heads: int, key_dim: int, value_heads: int, value_dim: int, *,
@@ -127,6 +128,12 @@ def cache_reasons(tensors, access: str) -> List[str]:
             reasons.append(f"{name} dtype must be bfloat16, float16 or float32, got {t.dtype}")
         if not t.is_contiguous():
             reasons.append(f"{name} must be contiguous (ND layout; it is {access} through a flat view)")
+        dim_bytes = t.shape[3] * t.element_size()
+        if dim_bytes % TILE_ALIGN_BYTES:
+            # pypto 0.2.0 refuses such a tile at compile time ("lastDimBytes % BLOCK_SIZE == 0"), and a
+            # failed compile leaves its recorder unusable for the rest of the process
+            reasons.append(f"{name} last dim of {t.shape[3]} elements is {dim_bytes} bytes; PyPTO tiles need a "
+                           f"multiple of {TILE_ALIGN_BYTES} bytes")
         row_bytes = t.shape[2] * t.shape[3] * t.element_size()
         if row_bytes > UB_BYTES:
             reasons.append(f"{name} rows of heads*dim = {t.shape[2] * t.shape[3]} elements "

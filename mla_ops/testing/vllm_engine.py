@@ -26,6 +26,7 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
             attention_backend: str | None = None, route: str | None = None, count_ops: bool = False) -> dict:
     """Start one engine on `model` in a child process, run `jobs` in order, return the report (dict).
 
+    `enforce_eager=False` runs vLLM's default compiled model (torch.compile), as `vllm serve` does.
     `attention_backend`: vLLM's `attention_backend` ("CPU_MLA", "AMX_MLA"; None: vLLM picks). `route`:
     `MLA_OPS_VLLM_ROUTE` for the child (None: inherited, default "auto"). `count_ops`: profile every
     worker while the jobs run and report the dispatcher calls of `mla::*` and vLLM's `_C::*` ops
@@ -45,8 +46,8 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     "_C::op": n} (profiled, summed over workers; with count_ops), "workers": n, "worker_plugin_states":
     [register()'s result in each worker], "decode_served_by": [the mla-ops backend bound for
     mla.mla_decode_attention on CPU, per worker], "startup_s", "jobs": [{"outputs": [{"token_ids",
-    "logprobs": [{token: logprob}, ...]}], ...}], "log": tail of the child's output, "plugin_log": its
-    lines that mention mla-ops}`.
+    "text" (vLLM's detokenized output; untimed jobs only), "logprobs": [{token: logprob}, ...]}], ...}],
+    "log": tail of the child's output, "plugin_log": its lines that mention mla-ops}`.
     Raises RuntimeError with the child's output tail on failure.
     """
     spec = dict(model=str(model), jobs=jobs, dtype=dtype, enforce_eager=enforce_eager,
@@ -56,9 +57,17 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     env = dict(os.environ)
     env.update({"MLA_OPS_VLLM_PLUGIN": "1" if plugin else "0",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tensor_parallel_size == 1 else "1",
-                # the report functions below are sent to TP workers by reference (pickled by name)
-                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                # vLLM's CPU platform sets this for its worker processes; an in-process engine sets it
+                # after torch's inductor has read its config, so compiled code would differ from a
+                # `vllm serve` engine's (and miss its compile cache) without it here
+                "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
+    if tensor_parallel_size > 1:
+        # the report functions below are sent to TP workers by reference (pickled by name); the in-process
+        # engine calls them directly. Set only where needed: it is one of the environment variables in
+        # the key of vLLM's compile cache, so a compiled TP-1 engine here shares the cache of a
+        # `vllm serve` with the same settings.
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if route is not None:
         env["MLA_OPS_VLLM_ROUTE"] = route
     env.update(extra_env or {})
@@ -66,7 +75,7 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        cmd = [sys.executable, "-m", "mla_ops.integrations.vllm.harness", spec_path, out_path]
+        cmd = [sys.executable, "-m", "mla_ops.testing.vllm_engine", spec_path, out_path]
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=timeout)
         log = proc.stdout[-6000:]
@@ -140,7 +149,7 @@ def _outputs(request_outputs) -> list[dict]:
     for ro in request_outputs:
         comp = ro.outputs[0]
         steps = [{str(tok): float(lp.logprob) for tok, lp in step.items()} for step in (comp.logprobs or [])]
-        rows.append({"token_ids": list(comp.token_ids), "logprobs": steps})
+        rows.append({"token_ids": list(comp.token_ids), "text": comp.text, "logprobs": steps})
     return rows
 
 
@@ -268,6 +277,6 @@ def _child(spec_path: str, out_path: str) -> None:
 if __name__ == "__main__":
     # Run through the module's importable name, not __main__: the report functions are sent to TP workers
     # pickled by reference, which needs them to be importable there.
-    from mla_ops.integrations.vllm import harness
+    from mla_ops.testing import vllm_engine
 
-    harness._child(sys.argv[1], sys.argv[2])
+    vllm_engine._child(sys.argv[1], sys.argv[2])

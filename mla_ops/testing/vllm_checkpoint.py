@@ -20,7 +20,7 @@ import shutil
 import torch
 
 # The tokenizer shipped with mla-ops (1024 tokens; 0 = BOS, 1 = EOS, 2 = PAD).
-_TOKENIZER_DIR = pathlib.Path(__file__).resolve().parents[2] / "assets" / "builtin_tokenizer"
+_TOKENIZER_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "builtin_tokenizer"
 
 
 def tiny_deepseek_v2_config(num_layers: int = 2, hidden: int = 256, heads: int = 4, max_positions: int = 8192,

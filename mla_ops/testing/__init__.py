@@ -1,0 +1,1 @@
+"""Test and verification support shared by the test suite, `mla-ops selftest` and the benchmarks."""

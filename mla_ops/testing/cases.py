@@ -1,0 +1,655 @@
+"""The case database: for every `mla::` op, its sample inputs, its error inputs, its oracle and the
+rounding bound each backend must meet against it.
+
+One `OpCases` entry per op in `CASES` (PyTorch's OpInfo idea, none of its machinery). Everything that
+exercises the ops draws from here: the generic test suites (tests/test_cases.py: opcheck, compile,
+export, gradcheck, errors, every backend x op x sample against the oracle), `mla-ops selftest` and
+the benchmarks' correctness checks. Adding an op means one entry here; every suite then covers it.
+
+* samples(dtype) -> [Sample]: every layout, table shape, split-pool view, empty, zero-length and
+  ragged case the op promises, on the CPU in that activation dtype.
+* errors() -> [ErrorInput]: bad calls with the argument the message must name. RuntimeError ones
+  are metadata checks (no host sync: raised eagerly and at trace time alike); ValueError ones are
+  index values, checked on the host by every CPU kernel before anything is written.
+* oracle: `mla_ops.testing.oracles`, the contract as plain float64 code.
+* bounds: the largest normalised error (max |got - want| / max |want|) a kernel may have against the
+  oracle, in units of the activation dtype's machine epsilon; 0 for the ops that only move data,
+  which must be bit-exact. `backend_bounds` widens it for a backend whose arithmetic differs.
+* paths: reference-kernel code paths other than the one CPU dispatch takes (the sync-free device
+  path, run here on CPU tensors), checked against the same oracle.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from .. import _library
+from ..ops.decode_attention import decode_sync_free
+from ..ops.gather_pa_kv_cache import gather_sync_free
+from ..ops.scatter_pa_kv_cache import scatter_sync_free
+from . import oracles
+from .inputs import LITE, PREFILL, SMALL, Dims, paged_case, prolog_inputs, prolog_kwargs, rope_tables, split_pool
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the ops serve in inference
+ALL_DTYPES = ACTIVATION_DTYPES + (torch.float64,)  # plus gradcheck's dtype (the reference kernels serve it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One call of an op: positional and keyword arguments (CPU tensors unless moved)."""
+
+    name: str
+    args: tuple
+    kwargs: Mapping = dataclasses.field(default_factory=dict)
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "Sample":
+        def apply(v):
+            return fn(v) if isinstance(v, Tensor) else v
+        return Sample(self.name, tuple(apply(a) for a in self.args), {k: apply(v) for k, v in self.kwargs.items()})
+
+    def to(self, device) -> "Sample":
+        return self.map(lambda t: t.to(device))
+
+    def clone(self) -> "Sample":
+        """Fresh copies of every tensor, keeping strides and requires_grad (ops that write in place
+        get their own buffers)."""
+        def copy(t):
+            c = t.detach().clone()
+            return c.requires_grad_(t.requires_grad) if t.is_floating_point() else c
+        return self.map(copy)
+
+    def detach(self) -> "Sample":
+        return self.map(lambda t: t.detach())
+
+    def tensors(self) -> list[Tensor]:
+        return [v for v in (*self.args, *self.kwargs.values()) if isinstance(v, Tensor)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorInput:
+    """A bad call and what its error must say."""
+
+    name: str
+    sample: Sample
+    argument: str  # the argument the message names
+    match: str  # regex the message matches
+    error: type = RuntimeError  # RuntimeError: metadata (eager and compiled); ValueError: index values (eager)
+    op_named: Optional[str] = None  # the op the message names, when not the one called (a twin sharing a check)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCases:
+    op: str
+    samples: Callable[[torch.dtype], list[Sample]]
+    oracle: Callable
+    errors: Callable[[], list[ErrorInput]]
+    bounds: Mapping[torch.dtype, float]  # in units of finfo(dtype).eps; 0: bit-exact
+    backend_bounds: Mapping[str, Mapping[torch.dtype, float]] = dataclasses.field(default_factory=dict)
+    paths: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    selftest: tuple[str, ...] = ()  # sample names `mla-ops selftest` runs (DeepSeek-V2-Lite dims)
+
+    @property
+    def definition(self) -> _library.OpDef:
+        return _library.OPS[self.op]
+
+    def bound(self, backend: str, dtype: torch.dtype) -> float:
+        """Largest normalised error allowed for `backend` against the oracle in `dtype`."""
+        ulps = self.backend_bounds.get(backend, self.bounds).get(dtype, self.bounds[dtype])
+        return ulps * torch.finfo(dtype).eps
+
+    def samples_in(self, dtype: torch.dtype) -> tuple[Sample, ...]:
+        """`samples(dtype)`, built once per process (callers that run them clone their tensors first)."""
+        key = (self.op, dtype)
+        if key not in _SAMPLE_CACHE:
+            _SAMPLE_CACHE[key] = tuple(self.samples(dtype))
+        return _SAMPLE_CACHE[key]
+
+    def sample(self, dtype: torch.dtype, name: str) -> Sample:
+        for s in self.samples_in(dtype):
+            if s.name == name:
+                return s
+        raise KeyError(f"mla.{self.op} has no sample {name!r} in {dtype}")
+
+
+_SAMPLE_CACHE: dict[tuple[str, torch.dtype], tuple[Sample, ...]] = {}
+
+
+CASES: dict[str, OpCases] = {}
+
+
+def _register(cases: OpCases) -> OpCases:
+    if cases.op not in _library.OPS:
+        raise RuntimeError(f"case database entry for mla.{cases.op}, which is not an op")
+    CASES[cases.op] = cases
+    return cases
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, dtype, seed=0, scale=1.0) -> Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype)
+
+
+def _tables(dtype: torch.dtype, *shape_args, **kwargs):
+    # fp32 tables for every activation dtype, as the rotary modules hand them over; fp64 under gradcheck
+    return rope_tables(*shape_args, dtype=torch.promote_types(dtype, torch.float32), **kwargs)
+
+
+def _eps_bounds(fp32: float, bf16: float, fp16: float, fp64: Optional[float] = None) -> dict:
+    return {torch.float32: fp32, torch.bfloat16: bf16, torch.float16: fp16,
+            torch.float64: fp32 if fp64 is None else fp64}
+
+
+EXACT = _eps_bounds(0, 0, 0, 0)
+
+
+# ------------------------------------------------------------------------------------------ rms_norm
+def _rms_norm_samples(dtype):
+    d = SMALL
+    wide = _randn(d.B, d.S, 2 * d.L, dtype=dtype, seed=3)
+    samples = [
+        Sample("small", (_randn(d.B, d.S, d.L, dtype=dtype), 1 + 0.1 * _randn(d.L, dtype=dtype, seed=1), 1e-6)),
+        Sample("v2lite", (_randn(1, 2, LITE.L, dtype=dtype), 1 + 0.1 * _randn(LITE.L, dtype=dtype, seed=1), 1e-6)),
+        Sample("one-dim", (_randn(d.L, dtype=dtype), _randn(d.L, dtype=dtype, seed=1), 1e-5)),
+        Sample("strided-view", (wide[..., : d.L], _randn(d.L, dtype=dtype, seed=1), 1e-6)),
+        Sample("empty", (_randn(0, d.S, d.L, dtype=dtype), _randn(d.L, dtype=dtype, seed=1), 1e-6)),
+    ]
+    if dtype in (torch.bfloat16, torch.float16):  # transformers' norm: an fp32 weight promotes the output
+        samples.append(Sample("fp32-weight", (_randn(d.B, d.S, d.L, dtype=dtype), 1 + 0.1 * _randn(d.L,
+                                                                                                   dtype=torch.float32,
+                                                                                                  seed=1), 1e-6)))
+    return samples
+
+
+def _rms_norm_errors():
+    x = torch.randn(2, 3, 16)
+    return [
+        ErrorInput("weight-length", Sample("", (x, torch.randn(15), 1e-6)), "weight",
+                   r"rms_norm: weight length must equal the last dim of x"),
+        ErrorInput("weight-rank", Sample("", (x, torch.randn(4, 4), 1e-6)), "weight", r"rms_norm: weight must be 1-D"),
+        ErrorInput("x-dtype", Sample("", (x.int(), torch.randn(16), 1e-6)), "x",
+                   r"rms_norm: x must be float32, float16 or bfloat16"),
+        ErrorInput("device", Sample("", (x, torch.randn(16, device="meta"), 1e-6)), "weight",
+                   r"rms_norm: all tensors must be on one device"),
+        ErrorInput("eps", Sample("", (x, torch.randn(16), -1.0)), "eps", r"rms_norm: eps must be >= 0"),
+    ]
+
+
+_register(OpCases("rms_norm", _rms_norm_samples, oracles.rms_norm_oracle, _rms_norm_errors,
+                  # two roundings to the activation dtype (the normed value, then the product with weight)
+                  bounds=_eps_bounds(8, 2, 2), selftest=("v2lite",)))
+
+
+# ---------------------------------------------------------------------------------------------- rope
+def _rope_samples(dtype):
+    d = SMALL
+    x = _randn(d.B, d.N, d.S, d.R, dtype=dtype)
+    cos, sin = _tables(dtype, d.B, d.S, d.R, offset=5)
+    shared = _tables(dtype, d.B, d.S, d.R, offset=5, batched=False)
+    q = _randn(d.B, d.N, d.S, d.P + d.R, dtype=dtype, seed=2)
+    lite_x = _randn(1, LITE.N, 2, LITE.R, dtype=dtype, seed=4)
+    lite_tables = _tables(dtype, 1, 2, LITE.R, offset=100)
+    samples = [Sample(f"{layout}", (x, cos, sin), {"layout": layout}) for layout in ("interleaved", "half", "neox")]
+    samples += [
+        Sample("tables-SR", (x, *shared), {"layout": "interleaved"}),
+        Sample("tables-1SR", (x, cos[:1], sin[:1]), {"layout": "half"}),
+        Sample("three-dim", (_randn(d.B, d.S, d.R, dtype=dtype, seed=3), cos, sin), {"layout": "half"}),
+        Sample("strided-q_pe-view", (q[..., d.P:], cos, sin), {"layout": "interleaved"}),
+        Sample("v2lite", (lite_x, *lite_tables), {"layout": "interleaved"}),
+        Sample("v2lite-half", (lite_x, *lite_tables), {"layout": "half"}),
+        Sample("empty-seq", (x[:, :, :0], cos[:, :0], sin[:, :0]), {"layout": "half"}),
+    ]
+    # rounded op for op in the activation dtype, as the stock rotate_half formulas compute it
+    samples += [Sample(f"activation-{layout}", (x, cos, sin), {"layout": layout, "compute_dtype": "activation"})
+                for layout in ("half", "neox")]
+    samples.append(Sample("v2lite-activation-half", (lite_x, *lite_tables), {"layout": "half",
+                                                                             "compute_dtype": "activation"}))
+    return samples
+
+
+def _rope_errors():
+    cos, sin = rope_tables(2, 3, 8)
+    x = torch.randn(2, 4, 3, 8)
+    return [
+        ErrorInput("odd-dim", Sample("", (torch.randn(2, 4, 3, 7), cos, sin)), "x",
+                   r"rope: the rotary dim of x must be even"),
+        ErrorInput("layout", Sample("", (x, cos, sin), {"layout": "gptj"}), "layout", r"rope: layout must be one of"),
+        ErrorInput("seq", Sample("", (torch.randn(2, 4, 5, 8), cos, sin)), "cos", r"rope: cos sequence dim must equal"),
+        ErrorInput("batch", Sample("", (torch.randn(3, 4, 3, 8), cos, sin)), "cos",
+                   r"rope: cos batch dim must be 1 or 3"),
+        ErrorInput("sin-shape", Sample("", (x, cos, sin[..., :2])), "sin", r"rope: cos and sin must have the same"),
+        ErrorInput("cos-dtype", Sample("", (x, cos.int(), sin)), "cos", r"rope: cos must be float32"),
+        ErrorInput("compute-dtype", Sample("", (x, cos, sin), {"compute_dtype": "bf16"}), "compute_dtype",
+                   r"rope: compute_dtype must be one of"),
+    ]
+
+
+_register(OpCases("rope", _rope_samples, oracles.rope_oracle, _rope_errors,
+                  # fp32 math rounded once, or ("activation" samples) each product and the sum rounded
+                  bounds=_eps_bounds(8, 2, 2), selftest=("v2lite", "v2lite-half", "v2lite-activation-half")))
+
+
+# ------------------------------------------------------------------------------------------ prologs
+def _prolog_sample(name: str, d: Dims, dtype, *, bias=False, layout="interleaved", tables="BSR", seed=0,
+                   rounding="float32"):
+    hidden, kv_a, kv_a_b, norm_w, kv_b, cos, sin = prolog_inputs(d, dtype, bias=bias, generator=_gen(seed))
+    if tables == "SR":
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+    kwargs = prolog_kwargs(d, rope_layout=layout)
+    if rounding != "float32":
+        kwargs["rope_compute_dtype"] = rounding
+    return Sample(name, (hidden, kv_a, kv_a_b, norm_w, kv_b, cos, sin), kwargs)
+
+
+def _with_dims(d: Dims, **changes) -> Dims:
+    return dataclasses.replace(d, **changes)
+
+
+def _kv_prolog_samples(dtype):
+    return [
+        _prolog_sample("small", SMALL, dtype),
+        _prolog_sample("small-bias-half", SMALL, dtype, bias=True, layout="half"),
+        _prolog_sample("small-neox-tables-SR", SMALL, dtype, layout="neox", tables="SR"),
+        _prolog_sample("prefill-bias", PREFILL, dtype, bias=True),
+        _prolog_sample("v2lite", LITE, dtype),
+        _prolog_sample("v2lite-decode-half", _with_dims(LITE, S=1), dtype, layout="half"),
+        _prolog_sample("small-activation-half", SMALL, dtype, layout="half", rounding="activation"),
+        _prolog_sample("v2lite-decode-activation-half", _with_dims(LITE, S=1), dtype, layout="half",
+                       rounding="activation"),
+        _prolog_sample("empty-batch", _with_dims(SMALL, B=0), dtype, bias=True),
+        _prolog_sample("empty-seq", _with_dims(SMALL, S=0), dtype),
+    ]
+
+
+def _latent_only(sample: Sample) -> Sample:
+    hidden, kv_a, kv_a_b, norm_w, _, cos, sin = sample.args
+    kwargs = {k: v for k, v in sample.kwargs.items() if k in ("rope_layout", "rope_compute_dtype")}
+    return Sample(sample.name, (hidden, kv_a, kv_a_b, norm_w, cos, sin), kwargs)
+
+
+def _latent_kv_prolog_samples(dtype):
+    keep = ("small", "small-bias-half", "small-neox-tables-SR", "prefill-bias", "v2lite", "v2lite-decode-half",
+            "small-activation-half", "empty-batch", "empty-seq")
+    return [_latent_only(s) for s in _kv_prolog_samples(dtype) if s.name in keep]
+
+
+def _prolog_errors(op: str):
+    d = SMALL
+    names = ("hidden_states", "kv_a_weight", "kv_a_bias", "kv_norm_weight", "kv_b_weight", "cos", "sin")
+    base = dict(zip(names, prolog_inputs(d, torch.float32, bias=True)))
+
+    def call(**changes):
+        args = dict(base, **changes)
+        if op == "latent_kv_prolog":
+            del args["kv_b_weight"]
+            return Sample("", tuple(args.values()))
+        return Sample("", tuple(args.values()), prolog_kwargs(d))
+
+    hidden = base["hidden_states"]
+    cases = [
+        ErrorInput("hidden-rank", call(hidden_states=hidden[0]), "hidden_states", rf"{op}: hidden_states must be 3-D"),
+        ErrorInput("kv_a-in", call(kv_a_weight=torch.randn(d.L + d.R, d.H + 1)), "kv_a_weight",
+                   rf"{op}: kv_a_weight in_features .* must equal the hidden size"),
+        ErrorInput("norm-size", call(kv_norm_weight=torch.randn(d.L + d.R)), "kv_a_weight",
+                   rf"{op}: kv_a_weight has .* output rows"),
+        ErrorInput("norm-odd", call(kv_norm_weight=torch.randn(d.L + 1)), "kv_norm_weight",
+                   rf"{op}: kv_norm_weight has {d.L + 1} entries, .* leave kv_lora_rank = {d.L}"),
+        ErrorInput("bias", call(kv_a_bias=torch.randn(3)), "kv_a_bias", rf"{op}: kv_a_bias length must equal"),
+        ErrorInput("cos-dim", call(cos=torch.randn(d.B, d.S, 3), sin=torch.randn(d.B, d.S, 3)), "cos",
+                   rf"{op}: cos last dim must be half the rotary dim of k_pe"),
+        ErrorInput("device", call(cos=torch.randn(d.B, d.S, d.R // 2, device="meta")), "cos",
+                   rf"{op}: all tensors must be on one device"),
+        ErrorInput("layout", dataclasses.replace(call(), kwargs={**call().kwargs, "rope_layout": "gptj"}),
+                   "rope_layout", rf"{op}: rope_layout must be one of"),
+        ErrorInput("rope-compute-dtype", dataclasses.replace(call(), kwargs={**call().kwargs,
+                                                                              "rope_compute_dtype": "float16"}),
+                   "rope_compute_dtype", rf"{op}: rope_compute_dtype must be one of"),
+    ]
+    if op == "kv_prolog":
+        cases += [
+            ErrorInput("kv_b-rows", call(kv_b_weight=torch.randn(d.N * (d.P + d.V) + 1, d.L)), "kv_b_weight",
+                       r"kv_prolog: kv_b_weight rows must be num_heads \* \(qk_nope_head_dim \+ v_head_dim\)"),
+            ErrorInput("kv_b-dtype", call(kv_b_weight=torch.randn(d.N * (d.P + d.V), d.L).half()), "kv_b_weight",
+                       r"kv_prolog: kv_b_weight has dtype torch.float16 but hidden_states has torch.float32"),
+            ErrorInput("num_heads", dataclasses.replace(call(), kwargs={**call().kwargs, "num_heads": 0}), "num_heads",
+                       r"kv_prolog: num_heads must be positive"),
+        ]
+    return cases
+
+
+# A GEMM over K inputs: fp32 accumulation of products whose inputs were rounded to the activation
+# dtype on the way (compressed kv, the normed latent), so a few epsilons of the output's scale.
+_PROLOG_BOUNDS = _eps_bounds(32, 2, 2)
+# The PyPTO stage-2 kernel accumulates kv_b per head in its own order (and rounds its matmul
+# inputs to the activation dtype): a few more ulps than ATen's GEMM.
+_PYPTO_PROLOG_BOUNDS = {"pypto_sim": _eps_bounds(64, 8, 8)}
+
+_register(OpCases("kv_prolog", _kv_prolog_samples, oracles.kv_prolog_oracle, lambda: _prolog_errors("kv_prolog"),
+                  bounds=_PROLOG_BOUNDS, backend_bounds=_PYPTO_PROLOG_BOUNDS,
+                  selftest=("v2lite", "v2lite-decode-half", "v2lite-decode-activation-half")))
+_register(OpCases("latent_kv_prolog", _latent_kv_prolog_samples, oracles.latent_kv_prolog_oracle,
+                  lambda: _prolog_errors("latent_kv_prolog"), bounds=_PROLOG_BOUNDS,
+                  selftest=("v2lite", "v2lite-decode-half")))
+
+
+# ------------------------------------------------------------------------------------------ q_prolog
+def _q_prolog_sample(name, d: Dims, dtype, *, lora: Optional[int], bias=False, layout="interleaved", seed=0,
+                     rounding="float32"):
+    g = _gen(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    hidden = rand(d.B, d.S, d.H)
+    in_features = d.H if lora is None else lora
+    q_a = rand(lora, d.H, scale=d.H ** -0.5) if lora else None
+    q_a_b = rand(lora, scale=0.1) if lora and bias else None
+    q_norm = (1 + 0.1 * torch.randn(lora, generator=g)).to(dtype) if lora else None
+    q_b = rand(d.N * (d.P + d.R), in_features, scale=in_features ** -0.5)
+    cos, sin = _tables(dtype, d.B, d.S, d.R, offset=2)
+    kwargs = {"num_heads": d.N, "qk_nope_head_dim": d.P, "rope_layout": layout}
+    if rounding != "float32":
+        kwargs["rope_compute_dtype"] = rounding
+    return Sample(name, (hidden, q_a, q_a_b, q_norm, q_b, cos, sin), kwargs)
+
+
+def _q_prolog_samples(dtype):
+    return [
+        _q_prolog_sample("small-lora", SMALL, dtype, lora=24),
+        _q_prolog_sample("small-lora-bias-half", SMALL, dtype, lora=24, bias=True, layout="half"),
+        _q_prolog_sample("small-no-lora-neox", SMALL, dtype, lora=None, layout="neox"),
+        _q_prolog_sample("prefill-lora", PREFILL, dtype, lora=48),
+        _q_prolog_sample("v2lite-no-lora", LITE, dtype, lora=None),
+        _q_prolog_sample("v2-lora-decode", _with_dims(LITE, S=1), dtype, lora=1536),
+        _q_prolog_sample("v3-lora-decode-activation", _with_dims(LITE, S=1), dtype, lora=1536, layout="half",
+                         rounding="activation"),
+        _q_prolog_sample("empty-seq", _with_dims(SMALL, S=0), dtype, lora=24),
+    ]
+
+
+def _q_prolog_errors():
+    base = _q_prolog_sample("", SMALL, torch.float32, lora=24)
+    hidden, q_a, q_a_b, q_norm, q_b, cos, sin = base.args
+
+    def call(*args, **kwargs):
+        return Sample("", args, {**base.kwargs, **kwargs})
+
+    return [
+        ErrorInput("norm-missing", call(hidden, q_a, None, None, q_b, cos, sin), "q_norm_weight",
+                   r"q_prolog: q_a_weight and q_norm_weight come together"),
+        ErrorInput("bias-alone", call(hidden, None, torch.randn(24), None, torch.randn(q_b.shape[0], SMALL.H), cos,
+                                      sin),
+                   "q_a_bias", r"q_prolog: q_a_bias was given without q_a_weight"),
+        ErrorInput("q_b-in", call(hidden, q_a, None, q_norm, torch.randn(q_b.shape[0], 23), cos, sin), "q_b_weight",
+                   r"q_prolog: q_b_weight in_features .* must equal q_lora_rank"),
+        ErrorInput("q_b-rows", call(hidden, q_a, None, q_norm, q_b[:-1], cos, sin), "q_b_weight",
+                   r"q_prolog: q_b_weight rows must be num_heads \* \(qk_nope_head_dim \+ rope_dim\)"),
+        ErrorInput("norm-size", call(hidden, q_a, None, torch.randn(23), q_b, cos, sin), "q_norm_weight",
+                   r"q_prolog: q_norm_weight length must equal q_lora_rank"),
+        ErrorInput("heads", call(hidden, q_a, None, q_norm, q_b, cos, sin, num_heads=0), "num_heads",
+                   r"q_prolog: num_heads must be positive"),
+    ]
+
+
+_register(OpCases("q_prolog", _q_prolog_samples, oracles.q_prolog_oracle, _q_prolog_errors, bounds=_PROLOG_BOUNDS,
+                  selftest=("v2lite-no-lora", "v2-lora-decode", "v3-lora-decode-activation")))
+
+
+# --------------------------------------------------------------------------------------- paged ops
+def _mla_pool(d: Dims, dtype, num_blocks: int, block_size: int, lens, *, offsets=None, columns=None, seed=0):
+    """(key_cache latent [NB, bs, 1, L], value_cache k_pe [NB, bs, 1, R], tables, cumsum, offsets)."""
+    return paged_case(num_blocks, block_size, lens, key_shape=(1, d.L), value_shape=(1, d.R), dtype=dtype,
+                      offsets=offsets, columns=columns, seed=seed)
+
+
+def _gather_samples(dtype):
+    d = SMALL
+    kc, vc, tables, cumsum, offsets = _mla_pool(d, dtype, 12, 4, [5, 1, 9], offsets=[4, 0, 0], columns=5)
+    total = int(cumsum[-1])
+    lens = (cumsum[1:] - cumsum[:-1]).long()
+
+    def outputs(rows, like_k=kc, like_v=vc):
+        return (_randn(rows, *like_k.shape[2:], dtype=dtype, seed=7), _randn(rows, *like_v.shape[2:], dtype=dtype,
+                                                                               seed=8))
+
+    pool, latent_view, k_pe_view = split_pool(12, 4, d.L, d.R, dtype, seed=3)
+    _, _, view_tables, view_cumsum, _ = _mla_pool(d, dtype, 12, 4, [7, 6])
+    zkc, zvc, z_tables, _, _ = _mla_pool(d, dtype, 6, 4, [3, 0, 6], columns=2)
+    lite_kc, lite_vc, lite_tables, lite_cumsum, _ = _mla_pool(LITE, dtype, 6, 128, [130, 1, 200], columns=2)
+    wide = torch.zeros(total + 3, 1, 2 * d.L, dtype=dtype)
+    # heads x dim above 4096: the PyPTO gather's large-token tile (its other variant)
+    big_kc, big_vc, big_tables, big_cumsum, _ = paged_case(6, 16, [17, 30], key_shape=(8, 576), value_shape=(1, 64),
+                                                           dtype=dtype, seed=4)
+    return [
+        Sample("cumsum-offset-uncovered-rows", (kc, vc, tables, cumsum, *outputs(total + 2)),
+               {"seq_offset": offsets, "is_seq_lens_cumsum": True}),
+        Sample("lengths-int64", (kc, vc, tables.long(), lens, *outputs(total))),
+        Sample("lengths-offset", (kc, vc, tables, lens.int(), *outputs(total)), {"seq_offset": offsets}),
+        Sample("split-pool-views", (latent_view, k_pe_view, view_tables, view_cumsum, *outputs(13)),
+               {"is_seq_lens_cumsum": True}),
+        Sample("strided-output", (kc, vc, tables, lens.int(), wide[:total, :, : d.L], outputs(total)[1]),
+               {"seq_offset": offsets}),
+        Sample("zero-length-sequence", (zkc, zvc, z_tables, torch.tensor([3, 0, 6], dtype=torch.int32),
+                                        *outputs(9))),
+        Sample("no-tokens", (zkc, zvc, z_tables[:, :0], torch.zeros(3, dtype=torch.int32), *outputs(2))),
+        Sample("no-sequences", (zkc, zvc, z_tables[:0], torch.zeros(0, dtype=torch.int32), *outputs(3))),
+        Sample("many-heads-large-tile", (big_kc, big_vc, big_tables, big_cumsum, *outputs(47, big_kc, big_vc)),
+               {"is_seq_lens_cumsum": True}),
+        Sample("v2lite-tail-blocks", (lite_kc, lite_vc, lite_tables, lite_cumsum, *outputs(331, lite_kc, lite_vc)),
+               {"is_seq_lens_cumsum": True}),
+    ]
+
+
+def _gather_errors(op: str):
+    kc, vc, tables, cumsum, offsets = paged_case(10, 4, [5, 3], key_shape=(1, 8), value_shape=(1, 4),
+                                                 dtype=torch.float32, offsets=[4, 0], columns=4)
+    base = dict(key_cache=kc, value_cache=vc, block_tables=tables, seq_lens=cumsum,
+                key=torch.full((8, 1, 8), 3.0), value=torch.full((8, 1, 4), 3.0))
+
+    def call(seq_offset=offsets, is_seq_lens_cumsum=True, **changes):
+        return Sample("", tuple(dict(base, **changes).values()),
+                      {"seq_offset": seq_offset, "is_seq_lens_cumsum": is_seq_lens_cumsum})
+
+    i32 = torch.int32
+    cases = [
+        ErrorInput("key_cache-rank", call(key_cache=torch.randn(10, 4, 8)), "key_cache",
+                   rf"{op}: key_cache must be 4-D"),
+        ErrorInput("value_cache-blocks", call(value_cache=torch.randn(9, 4, 1, 4)), "value_cache",
+                   rf"{op}: value_cache num_blocks .* must equal key_cache's"),
+        ErrorInput("value_cache-block-size", call(value_cache=torch.randn(10, 2, 1, 4)), "value_cache",
+                   rf"{op}: value_cache block_size .* must equal key_cache's"),
+        ErrorInput("key-dim", call(key=torch.zeros(8, 1, 7)), "key", rf"{op}: key head dim .* must equal key_cache"),
+        ErrorInput("key-heads", call(key=torch.zeros(8, 2, 8)), "key", rf"{op}: key heads .* must equal key_cache"),
+        ErrorInput("key-dtype", call(key=torch.zeros(8, 1, 8, dtype=torch.float16)), "key",
+                   rf"{op}: key has dtype torch.float16 but key_cache"),
+        ErrorInput("tables-dtype", call(block_tables=torch.zeros(2, 4)), "block_tables",
+                   rf"{op}: block_tables must be an int32"),
+        ErrorInput("cumsum-length", call(seq_lens=torch.tensor([0, 5])), "seq_lens",
+                   rf"{op}: seq_lens must have num_seqs \+ 1 entries"),
+        ErrorInput("lengths-length", call(is_seq_lens_cumsum=False), "seq_lens",
+                   rf"{op}: seq_lens must have one length per"),
+        ErrorInput("offset-dtype", call(seq_offset=torch.tensor([0.0, 4.0])), "seq_offset",
+                   rf"{op}: seq_offset must be an int"),
+        ErrorInput("offset-length", call(seq_offset=torch.tensor([0])), "seq_offset",
+                   rf"{op}: seq_offset needs one offset per"),
+        # index values: validated on the host before anything is written
+        ErrorInput("cumsum-start", call(seq_lens=torch.tensor([1, 5, 8], dtype=i32)), "seq_lens",
+                   r"cumulative seq_lens must start at 0, got seq_lens\[0\] = 1", ValueError),
+        ErrorInput("cumsum-decreasing", call(seq_lens=torch.tensor([0, 5, 4], dtype=i32)), "seq_lens",
+                   r"cumulative seq_lens must never decrease, but seq_lens\[2\] = 4 < seq_lens\[1\] = 5", ValueError),
+        ErrorInput("negative-length", call(seq_lens=torch.tensor([5, -1]), is_seq_lens_cumsum=False), "seq_lens",
+                   r"seq_lens\[1\] = -1 is negative", ValueError),
+        ErrorInput("negative-offset", call(seq_offset=torch.tensor([-4, 0], dtype=i32)), "seq_offset",
+                   r"seq_offset\[0\] = -4 is negative", ValueError),
+        ErrorInput("unaligned-offset", call(seq_offset=torch.tensor([2, 0], dtype=i32)), "seq_offset",
+                   r"seq_offset\[0\] = 2 is not a multiple of block_size 4", ValueError),
+        ErrorInput("offset-past-table", call(seq_offset=torch.tensor([12, 0], dtype=i32)), "block_tables",
+                   r"sequence 0 needs block-table columns 3..4 .* but block_tables has only 4 columns", ValueError),
+        ErrorInput("block-id-high", call(block_tables=torch.tensor([[0, 1, 10, 3], [4, 5, 6, 7]], dtype=i32)),
+                   "block_tables",
+                   r"block_tables\[0, 2\] = 10 is used by sequence 0 but is not a block id in \[0, 10\)", ValueError),
+        ErrorInput("block-id-negative", call(block_tables=torch.tensor([[0, 1, 2, 3], [-1, 5, 6, 7]], dtype=i32)),
+                   "block_tables", r"block_tables\[1, 0\] = -1 is used by sequence 1", ValueError),
+        ErrorInput("too-few-rows", call(key=torch.zeros(7, 1, 8), value=torch.zeros(7, 1, 4)), "key",
+                   r"the sequences hold 8 tokens but key/value have only 7 rows", ValueError),
+        # values near 2**63: checked before any int64 arithmetic could wrap around
+        ErrorInput("huge-offset", call(seq_offset=torch.tensor([2**63 - 4, 0])), "seq_offset",
+                   r"seq_offset\[0\] = 9223372036854775804 starts at block-table column .* only 4 columns",
+                   ValueError),
+        ErrorInput("huge-lengths", call(seq_offset=None, is_seq_lens_cumsum=False,
+                                        block_tables=torch.zeros(2, 4, dtype=i32),
+                                        seq_lens=torch.tensor([2**62, 2**62])),
+                   "seq_lens", r"sequence 0 needs block-table columns .* seq_lens may hold at most 16 tokens",
+                   ValueError),
+        ErrorInput("huge-cumsum", call(seq_lens=torch.tensor([0, 2**63 - 1, 2**63 - 1])), "seq_lens",
+                   r"sequence 0 needs block-table columns", ValueError),
+    ]
+    if op == "gather_pa_kv_cache_functional":  # the twin runs the in-place op's value checks, named after it
+        cases = [dataclasses.replace(e, op_named="gather_pa_kv_cache") if e.error is ValueError else e for e in cases]
+    if op == "gather_pa_kv_cache":  # only the in-place op writes into the caller's key / value
+        cases += [
+            ErrorInput("value-overlapping", call(value=torch.full((1, 1, 4), 3.0).expand(8, 1, 4)), "value",
+                       r"gather_pa_kv_cache: value has overlapping memory .* stride-0"),
+            ErrorInput("key-overlapping", call(key=torch.full((8, 1, 1), 3.0).expand(8, 1, 8)), "key",
+                       r"gather_pa_kv_cache: key has overlapping memory"),
+        ]
+    return cases
+
+
+def _gather_sync_free(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
+                      is_seq_lens_cumsum=False):
+    """The reference gather's device path with the op's calling convention."""
+    gather_sync_free(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset, is_seq_lens_cumsum)
+
+
+_register(OpCases("gather_pa_kv_cache", _gather_samples, oracles.gather_pa_kv_cache_oracle,
+                  lambda: _gather_errors("gather_pa_kv_cache"), bounds=EXACT,
+                  paths={"sync-free": _gather_sync_free}, selftest=("cumsum-offset-uncovered-rows",
+                                                                      "lengths-int64", "v2lite-tail-blocks")))
+_register(OpCases("gather_pa_kv_cache_functional", _gather_samples, oracles.gather_pa_kv_cache_oracle,
+                  lambda: _gather_errors("gather_pa_kv_cache_functional"), bounds=EXACT,
+                  selftest=("cumsum-offset-uncovered-rows", "v2lite-tail-blocks")))
+
+
+def _scatter_samples(dtype):
+    d = SMALL
+    kc, vc, *_ = _mla_pool(d, dtype, 6, 4, [1])
+    tokens = 7
+    slots = torch.randperm(24, generator=_gen(1))[:tokens]
+    slots[2] = -1  # padding
+    key, value = _randn(tokens, 1, d.L, dtype=dtype, seed=5), _randn(tokens, 1, d.R, dtype=dtype, seed=6)
+    pool, latent_view, k_pe_view = split_pool(6, 4, d.L, d.R, dtype, seed=2)
+    lite_kc, lite_vc, *_ = _mla_pool(LITE, dtype, 4, 128, [1])
+    lite_slots = torch.tensor([0, 129, 511, -1, 300], dtype=torch.int32)
+    wide = _randn(tokens, 1, 2 * d.L, dtype=dtype, seed=9)
+    return [
+        Sample("padding", (key, value, kc, vc, slots.int())),
+        Sample("int64-slots", (key, value, kc, vc, slots.long())),
+        Sample("split-pool-views", (key, value, latent_view, k_pe_view, slots.int())),
+        Sample("strided-tokens", (wide[..., : d.L], value, kc, vc, slots.int())),
+        Sample("all-padding", (key, value, kc, vc, torch.full((tokens,), -1, dtype=torch.int32))),
+        Sample("no-tokens", (key[:0], value[:0], kc, vc, slots[:0].int())),
+        Sample("v2lite", (_randn(5, 1, LITE.L, dtype=dtype, seed=3), _randn(5, 1, LITE.R, dtype=dtype, seed=4),
+                          lite_kc, lite_vc, lite_slots)),
+    ]
+
+
+def _scatter_errors():
+    kc, vc, *_ = paged_case(4, 4, [3], key_shape=(1, 8), value_shape=(1, 4), dtype=torch.float32)
+    base = dict(key=torch.randn(3, 1, 8), value=torch.randn(3, 1, 4), key_cache=kc, value_cache=vc,
+                slot_mapping=torch.tensor([0, 5, -1]))
+
+    def call(**changes):
+        return Sample("", tuple(dict(base, **changes).values()))
+
+    op = "scatter_pa_kv_cache"
+    return [
+        ErrorInput("key_cache-overlapping", call(key_cache=torch.zeros(1, 4, 1, 8).expand(4, 4, 1, 8)), "key_cache",
+                   rf"{op}: key_cache has overlapping memory"),
+        ErrorInput("value_cache-overlapping", call(value_cache=torch.zeros(4, 1, 1, 4).expand(4, 4, 1, 4)),
+                   "value_cache", rf"{op}: value_cache has overlapping memory"),
+        ErrorInput("slots-length", call(slot_mapping=torch.tensor([0, 1])), "slot_mapping",
+                   rf"{op}: slot_mapping length must equal the token count of key"),
+        ErrorInput("slots-dtype", call(slot_mapping=torch.tensor([0.0, 1.0, 2.0])), "slot_mapping",
+                   rf"{op}: slot_mapping must be an int32 or int64"),
+        ErrorInput("value-tokens", call(value=torch.randn(2, 1, 4)), "value", rf"{op}: value token count"),
+        ErrorInput("key-rank", call(key=torch.randn(3, 8)), "key", rf"{op}: key must be 3-D"),
+        ErrorInput("slot-outside", call(slot_mapping=torch.tensor([0, 16, -1])), "slot_mapping",
+                   r"slot_mapping\[1\] = 16 is outside the cache \(num_blocks \* block_size = 16 slots\)", ValueError),
+    ]
+
+
+_register(OpCases("scatter_pa_kv_cache", _scatter_samples, oracles.scatter_pa_kv_cache_oracle, _scatter_errors,
+                  bounds=EXACT, paths={"sync-free": scatter_sync_free}, selftest=("padding", "v2lite")))
+
+
+def _decode_sample(name, d: Dims, dtype, block_size: int, lens, *, num_blocks=None, view=False, int64=False,
+                   seed=0) -> Sample:
+    need = sum(-(-n // block_size) for n in lens)
+    num_blocks = num_blocks or need + 2
+    kc, vc, tables, _, _ = _mla_pool(d, dtype, num_blocks, block_size, lens, seed=seed)
+    if view:
+        _, kc, vc = split_pool(num_blocks, block_size, d.L, d.R, dtype, seed=seed + 1)
+    batch = len(lens)
+    q_latent = _randn(batch, d.N, d.L, dtype=dtype, seed=seed + 2)
+    q_pe = _randn(batch, d.N, d.R, dtype=dtype, seed=seed + 3)
+    seq_lens = torch.tensor(lens, dtype=torch.int64 if int64 else torch.int32)
+    tables = tables.long() if int64 else tables
+    return Sample(name, (q_latent, q_pe, kc, vc, tables, seq_lens, (d.P + d.R) ** -0.5))
+
+
+def _decode_samples(dtype):
+    d = SMALL
+    return [
+        _decode_sample("ragged", d, dtype, 4, [5, 1, 12]),
+        _decode_sample("equal-lengths-int64", d, dtype, 4, [8, 8], int64=True),
+        _decode_sample("block-size-1", d, dtype, 1, [3, 7]),
+        _decode_sample("split-pool-views", d, dtype, 4, [6, 9], view=True),
+        _decode_sample("one-token", d, dtype, 16, [1]),
+        _decode_sample("v2lite-ragged", LITE, dtype, 64, [300, 17, 64]),
+        _decode_sample("v2lite-block-128", LITE, dtype, 128, [129, 256]),
+        _decode_sample("empty-batch", d, dtype, 4, []),
+    ]
+
+
+def _decode_errors():
+    kc, vc, tables, _, _ = paged_case(6, 4, [5, 3], key_shape=(1, 8), value_shape=(1, 4), dtype=torch.float32)
+    base = dict(q_latent=torch.randn(2, 3, 8), q_pe=torch.randn(2, 3, 4), key_cache=kc, value_cache=vc,
+                block_tables=tables, seq_lens=torch.tensor([5, 3]), softmax_scale=0.5)
+
+    def call(**changes):
+        return Sample("", tuple(dict(base, **changes).values()))
+
+    op = "mla_decode_attention"
+    return [
+        ErrorInput("key_cache-heads", call(key_cache=torch.randn(6, 4, 2, 8)), "key_cache",
+                   rf"{op}: key_cache heads .* must be 1"),
+        ErrorInput("value_cache-dim", call(q_pe=torch.randn(2, 3, 5)), "value_cache",
+                   rf"{op}: value_cache dim .* must equal rope_dim"),
+        ErrorInput("seq_lens-length", call(seq_lens=torch.tensor([5])), "seq_lens",
+                   rf"{op}: seq_lens length must equal the batch"),
+        ErrorInput("q_pe-dtype", call(q_pe=torch.randn(2, 3, 4).double()), "q_pe", rf"{op}: q_pe has dtype"),
+        ErrorInput("scale-nan", call(softmax_scale=float("nan")), "softmax_scale",
+                   rf"{op}: softmax_scale must be a finite positive"),
+        ErrorInput("scale-zero", call(softmax_scale=0.0), "softmax_scale",
+                   rf"{op}: softmax_scale must be a finite positive"),
+        ErrorInput("empty-pool", call(key_cache=torch.randn(0, 4, 1, 8), value_cache=torch.randn(0, 4, 1, 4)),
+                   "key_cache", rf"{op}: key_cache needs at least one block"),
+        ErrorInput("zero-length", call(seq_lens=torch.tensor([5, 0])), "seq_lens",
+                   r"seq_lens\[1\] = 0; each decoding sequence", ValueError),
+        ErrorInput("past-capacity", call(seq_lens=torch.tensor([5, 9])), "seq_lens",
+                   r"seq_lens\[1\] = 9 exceeds the block table's capacity", ValueError),
+        ErrorInput("block-id", call(block_tables=torch.tensor([[0, 7], [1, 2]], dtype=torch.int32)), "block_tables",
+                   r"block_tables\[0, 1\] = 7 is used by sequence 0 but is not a block id in \[0, 6\)", ValueError),
+    ]
+
+
+_register(OpCases("mla_decode_attention", _decode_samples, oracles.mla_decode_attention_oracle, _decode_errors,
+                  # scores and softmax in fp32, P rounded to the activation dtype before P @ latent
+                  bounds=_eps_bounds(64, 2, 2), paths={"sync-free": decode_sync_free},
+                  selftest=("v2lite-ragged", "v2lite-block-128")))

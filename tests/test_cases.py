@@ -1,0 +1,162 @@
+"""Every op x every sample of the case database (`mla_ops.testing.cases`) through the generic suites:
+opcheck, torch.compile as one node, torch.export, gradcheck (or the inference-only refusal), the error
+inputs eagerly and compiled, and every kernel variant of this machine against the oracle.
+
+Nothing here knows a particular op: adding an op or a backend adds its rows."""
+import re
+
+import pytest
+import torch
+
+import mla_ops
+from mla_ops import backends
+from mla_ops._library import NAMESPACE, OPS
+from mla_ops.testing import suites
+from mla_ops.testing.cases import ACTIVATION_DTYPES, ALL_DTYPES, CASES
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _samples(dtypes, ops=None):
+    return [pytest.param(op, dtype, sample.name, id=f"{op}-{_dtype_id(dtype)}-{sample.name}")
+            for op in (ops or CASES) for dtype in dtypes for sample in CASES[op].samples_in(dtype)]
+
+
+def _errors(kind=None):
+    return [pytest.param(op, i, id=f"{op}-{e.name}") for op in CASES for i, e in enumerate(CASES[op].errors())
+            if kind is None or e.error is kind]
+
+
+def test_the_database_covers_exactly_the_ops():
+    assert set(CASES) == set(OPS)
+    for op, cases in CASES.items():
+        names = [s.name for dtype in ALL_DTYPES for s in cases.samples_in(dtype)]
+        assert names, f"mla.{op} has no samples"
+        for dtype in ALL_DTYPES:
+            per_dtype = [s.name for s in cases.samples_in(dtype)]
+            assert len(per_dtype) == len(set(per_dtype)), f"mla.{op}: duplicate sample names in {dtype}"
+        assert cases.errors(), f"mla.{op} has no error inputs"
+        assert set(cases.selftest) <= set(names), f"mla.{op}: selftest names a sample that does not exist"
+
+
+# ------------------------------------------------------------------------------ PyTorch integration
+@pytest.mark.parametrize("op,dtype,name", _samples(ACTIVATION_DTYPES))
+def test_opcheck(op, dtype, name):
+    sample = CASES[op].sample(dtype, name)
+    if OPS[op].differentiable:  # the autograd-registration util needs inputs that require grad
+        sample = sample.map(lambda t: t.detach().requires_grad_(t.is_floating_point()))
+    suites.run_opcheck(op, sample)
+
+
+@pytest.mark.parametrize("op,dtype,name", _samples((torch.float32,)))
+def test_compiles_to_one_node(op, dtype, name):
+    suites.compiles_to_one_node(op, CASES[op].sample(dtype, name))
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_exports_to_one_node(op):
+    suites.exports_to_one_node(op, CASES[op].samples_in(torch.float32)[0])
+
+
+# gradcheck runs on the small and prefill dims; V2-Lite's dims (and an fp64 numerical Jacobian over
+# 2048 x 576 weights) would add minutes and no coverage
+@pytest.mark.parametrize("op,dtype,name", [p for p in _samples((torch.float64,)) if "v2lite" not in p.values[2]])
+def test_gradcheck_or_inference_only_refusal(op, dtype, name):
+    suites.gradcheck_or_refusal(op, CASES[op].sample(dtype, name))
+
+
+@pytest.mark.parametrize("op,index", _errors())
+def test_error_input_eagerly(op, index):
+    suites.raises_eagerly(op, CASES[op].errors()[index])
+
+
+@pytest.mark.parametrize("op,index", _errors(RuntimeError))
+def test_error_input_when_compiled(op, index):
+    error = CASES[op].errors()[index]
+    if any(t.device.type == "meta" for t in error.sample.tensors()):
+        pytest.skip("a meta tensor next to CPU tensors is refused by Dynamo before any op runs")
+    suites.raises_when_compiled(op, error)
+
+
+# ------------------------------------------------------------------------------- kernels vs oracle
+VARIANTS = {v.name: v for v in suites.variants()}
+
+
+def _kernel_cases():
+    """(variant, op, dtype, sample) for every variant that has a kernel for the op; whether it can take
+    a particular sample is asked at run time (the skip then gives the backend's own reasons)."""
+    cases = []
+    for variant in VARIANTS.values():
+        marks = [pytest.mark.pypto] if variant.backend == "pypto_sim" else []
+        for param in _samples(ALL_DTYPES):
+            op = param.values[0]
+            if variant.has_kernel(op):
+                cases.append(pytest.param(variant.name, *param.values, marks=marks,
+                                          id=f"{param.id}-{variant.name}"))
+    return cases
+
+
+@pytest.mark.parametrize("variant,op,dtype,name", _kernel_cases())
+def test_kernel_matches_the_oracle(variant, op, dtype, name):
+    chosen = VARIANTS[variant]
+    sample = CASES[op].sample(dtype, name)
+    reasons = chosen.not_supported_reasons(op, sample)
+    if reasons:
+        pytest.skip(f"{variant}: {'; '.join(reasons)}")
+    with torch.no_grad():
+        suites.compare(chosen, op, sample, dtype)
+
+
+def test_the_reference_kernels_are_checked_whatever_the_native_build():
+    """The reference variant serves every op and every sample on CPU, so `test_kernel_matches_the_oracle`
+    proves the reference kernels in every run, native build or not."""
+    reference = VARIANTS["reference"]
+    for op, cases in CASES.items():
+        for dtype in ALL_DTYPES:
+            for sample in cases.samples_in(dtype):
+                assert reference.not_supported_reasons(op, sample) == [], (op, sample.name)
+
+
+# --------------------------------------------------------------------------------------- binding
+_REGISTRATION = re.compile(r"^(\w+)(?:\[alias\])?: registered at (.+?):(\d+)")
+
+
+def _registrations(op: str) -> dict[str, str]:
+    """dispatch key -> the file that registered its kernel, from the dispatcher's own record."""
+    found = {}
+    for line in torch._C._dispatch_dump(f"{NAMESPACE}::{op}").splitlines():
+        match = _REGISTRATION.match(line)
+        if match and match.group(1) not in ("debug",):
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_every_kernel_was_bound_by_the_project_binding(op):
+    """The op's definition registers its fake (Meta), reference kernel (CompositeExplicitAutograd) and
+    autograd behaviour; the backend layer's `bind()` registers the chosen kernel per device key. Any
+    other registration — a C++ TORCH_LIBRARY_IMPL, another Library — would serve calls behind the
+    chooser's back: it fails here, naming the key and the file."""
+    import mla_ops._library as library_module
+
+    definition, binding = library_module.__file__, backends.__file__
+    expected = {"Meta": definition, "CompositeExplicitAutograd": definition, "Autograd": definition}
+    for (name, device_type), label in backends._bound.items():
+        if name == op and label != "reference":
+            expected[backends.DISPATCH_KEYS[device_type]] = binding
+    assert _registrations(op) == expected
+
+
+def test_the_binding_check_sees_a_foreign_registration():
+    """A kernel registered outside the binding shows up in the dispatcher's record (so the test above
+    would fail for it), and disappears with its Library."""
+    foreign = torch.library.Library(NAMESPACE, "IMPL")
+    try:
+        foreign.impl("rms_norm", lambda x, w, eps=1e-6: x, "PrivateUse1")
+        assert _registrations("rms_norm").get("PrivateUse1") == __file__
+    finally:
+        foreign._destroy()
+    assert "PrivateUse1" not in _registrations("rms_norm") or backends._bound[("rms_norm", "npu")] != "reference"
+    assert mla_ops.explain("rms_norm", torch.randn(2, 4), torch.ones(4)).startswith("mla.rms_norm")
