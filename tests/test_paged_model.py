@@ -61,7 +61,7 @@ def test_bf16_logits_within_tolerance_of_stock():
 
     The absorbed decode rounds to bf16 at other places than stock's materialised path (q_nope @ W_UK,
     the attention scores and probabilities, o_latent, o_latent @ W_UV; see
-    mla_ops/ops/reference/decode_attention.py), each a relative 2^-9. The MLPs are dense here: with
+    mla_ops/ops/decode_attention.py), each a relative 2^-9. The MLPs are dense here: with
     MoE, top-k routing is discontinuous and a 1-ulp change can switch an expert, which moves
     logits by ~0.3 for stock bf16 itself against fp32. Measured over 5 seeds: |paged - stock| <= 0.055
     on logits up to |3.9|, and paged is as far from the fp32 model as stock bf16 is (ratio <= 1.2)."""
