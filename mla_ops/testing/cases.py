@@ -206,7 +206,7 @@ def _rope_samples(dtype):
     ]
     # rounded op for op in the activation dtype, as the stock rotate_half formulas compute it
     samples += [Sample(f"activation-{layout}", (x, cos, sin), {"layout": layout, "compute_dtype": "activation"})
-                for layout in ("half", "neox")]
+                for layout in ("interleaved", "half", "neox")]
     samples.append(Sample("v2lite-activation-half", (lite_x, *lite_tables), {"layout": "half",
                                                                              "compute_dtype": "activation"}))
     return samples
@@ -393,6 +393,8 @@ def _q_prolog_errors():
                    r"q_prolog: q_norm_weight length must equal q_lora_rank"),
         ErrorInput("heads", call(hidden, q_a, None, q_norm, q_b, cos, sin, num_heads=0), "num_heads",
                    r"q_prolog: num_heads must be positive"),
+        ErrorInput("rope-compute-dtype", call(hidden, q_a, None, q_norm, q_b, cos, sin, rope_compute_dtype="fp32"),
+                   "rope_compute_dtype", r"q_prolog: rope_compute_dtype must be one of"),
     ]
 
 
