@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from mla_ops import backends
+from mla_ops import backends, settings
 from mla_ops._library import NAMESPACE, OPS
 from mla_ops.testing import suites
 from mla_ops.testing.cases import ACTIVATION_DTYPES, ALL_DTYPES, CASES
@@ -69,6 +69,41 @@ def test_gradcheck_or_inference_only_refusal(op, dtype, name):
 @pytest.mark.parametrize("op,index", _errors())
 def test_error_input_eagerly(op, index):
     suites.raises_eagerly(op, CASES[op].errors()[index])
+
+
+@pytest.mark.parametrize("variant", [v for v in suites.variants() if v.serving is not None], ids=lambda v: v.name)
+@pytest.mark.parametrize("op,index", _errors())
+def test_error_input_on_every_backend(variant, op, index):
+    """Each backend serving the op on CPU (the native one per ISA build, with its checks in C++) raises the
+    error the op's contract promises, naming the op and the argument, and writes nothing."""
+    if not variant.has_kernel(op):
+        pytest.skip(f"{variant.name} has no mla.{op} kernel")
+    error = CASES[op].errors()[index]
+    # metadata errors come from the check, before any backend's reasons; bad values pass the check, so
+    # a backend that cannot take the call's shapes (its reasons) refuses it before looking at them
+    asked = error.sample if error.error is ValueError else CASES[op].samples_in(torch.float32)[0]
+    unavailable = variant.not_supported_reasons(op, asked)
+    if unavailable:
+        pytest.skip(f"{variant.name} cannot serve this mla.{op} call: {'; '.join(unavailable)}")
+    with variant.serving():
+        suites.raises_eagerly(op, error)
+
+
+def _message(op: str, error, backend: str) -> str:
+    with settings.use_backend(backend), pytest.raises(error.error) as raised:
+        OPS[op].overload(*error.sample.args, **error.sample.kwargs)  # rejected: nothing is written
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("op,index", [p for p in _errors() if p.values[0] in backends.BACKENDS["cpu_native"].kernels])
+def test_native_error_messages_equal_the_reference(op, index):
+    """The C++ checks of the native kernels are the Python checks' twins: word for word the same message."""
+    if backends.BACKENDS["cpu_native"].unavailable_reason():
+        pytest.skip(backends.BACKENDS["cpu_native"].unavailable_reason())
+    error = CASES[op].errors()[index]
+    if any(t.device.type != "cpu" for t in error.sample.tensors()):
+        pytest.skip("a non-CPU tensor: the native kernel is not on this call's path")
+    assert _message(op, error, "cpu_native") == _message(op, error, "reference")
 
 
 @pytest.mark.parametrize("op,index", _errors(RuntimeError))
@@ -134,22 +169,21 @@ def _registrations(op: str) -> dict[str, str]:
 
 def _expected_registrations(op: str) -> dict[str, str]:
     """What the project itself registers for `op`: its definition's Meta (fake), CompositeExplicitAutograd
-    (reference) and Autograd kernels, and `bind()`'s kernel per device key it binds."""
+    (reference) and Autograd kernels, and the kernels `bind()` attached per dispatch key (its own Python
+    Library, or a backend's C++ registration on CPU / AutogradCPU)."""
     import mla_ops._library as library_module
 
-    definition, binding = library_module.__file__, backends.__file__
+    definition = library_module.__file__
     expected = {"Meta": definition, "CompositeExplicitAutograd": definition, "Autograd": definition}
-    for (name, device_type), label in backends._bound.items():
-        if name == op and label != "reference":
-            expected[backends.DISPATCH_KEYS[device_type]] = binding
+    expected.update(backends.bound_registrations(op))
     return expected
 
 
 @pytest.mark.parametrize("op", list(OPS))
 def test_every_kernel_was_bound_by_the_project_binding(op):
-    """Any registration other than the op's definition and the backend layer's `bind()` — a C++
-    TORCH_LIBRARY_IMPL, another Library — would serve calls behind the chooser's back: it fails here,
-    naming the key and the file."""
+    """Any registration other than the op's definition and what the backend layer's `bind()` made — a
+    static TORCH_LIBRARY_IMPL, another Library — would serve calls behind the chooser's back: it fails
+    here, naming the key and the file."""
     assert _registrations(op) == _expected_registrations(op)
 
 

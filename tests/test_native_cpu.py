@@ -161,22 +161,23 @@ def test_decode_unvalidated_zero_rows_and_bad_ids(ext, dtype):
     """validate=False (the kernel's own guarantees): length 0 -> zeros; lengths past the table are
     clamped; out-of-range ids are skipped, never read; the other rows are unaffected."""
     q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(dtype, 16, [20, 7, 9, 40])
-    good = ext.decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1, True)
+    good = ext.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1)
     lens = seq_lens.clone()
     lens[1] = 0
     lens[2] = -5
     tables_bad = tables.clone()
     tables_bad[3, 1] = 2**31 - 1  # tokens 16..31 of row 3 skipped
     tables_bad[3, 2] = -7  # tokens 32..39 skipped
-    out = ext.decode_attention(q_latent, q_pe, key_cache, value_cache, tables_bad, lens, 0.1, False)
+    out = ext.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables_bad, lens, 0.1,
+                                   validate_values=False)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[2], torch.zeros_like(out[2]))
     assert torch.equal(out[0], good[0])
     only_first = seq_lens.clone()
     only_first[3] = 16
-    expect3 = ext.decode_attention(q_latent, q_pe, key_cache, value_cache, tables, only_first, 0.1, True)[3]
+    expect3 = ext.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, only_first, 0.1)[3]
     torch.testing.assert_close(out[3], expect3, atol=0, rtol=0)
     huge = torch.full_like(seq_lens, 10**6)  # clamped to the table's capacity
-    out = ext.decode_attention(q_latent, q_pe, key_cache, value_cache, tables, huge, 0.1, False)
+    out = ext.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, huge, 0.1, validate_values=False)
     assert out.shape == q_latent.shape
 
 
@@ -192,7 +193,7 @@ DECODE_BAD = [
 def test_decode_bad_values_same_error(ext, case):
     q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(torch.float32, 16, [20, 7])
     tables, seq_lens = case[1](tables, seq_lens)
-    with pytest.raises(ValueError) as expected:
+    with pytest.raises(ValueError) as expected, mla_ops.use_backend("reference"):
         torch.ops.mla.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1)
     with pytest.raises(ValueError) as got:
         native_cpu.mla_decode_attention(
@@ -408,7 +409,7 @@ def test_gather_bad_values_same_error_nothing_written(ext, case):
     rows = case.get("rows", 64)
     key, value = torch.zeros(rows, 1, 32), torch.zeros(rows, 1, 8)
     kwargs = dict(seq_offset=offsets, is_seq_lens_cumsum=case.get("cumsum", False))
-    with pytest.raises(ValueError) as expected:
+    with pytest.raises(ValueError) as expected, mla_ops.use_backend("reference"):
         torch.ops.mla.gather_pa_kv_cache(
             key_cache,
             value_cache,
@@ -485,12 +486,117 @@ def test_scatter_bad_slot_same_error_nothing_written(ext):
 
 
 @pytest.fixture
-def native_registered(ext, monkeypatch):
+def native_registered(ext):
     """The cpu_native backend bound to the ops, with this fixture's ISA build (restored after)."""
-    monkeypatch.setenv(native_cpu.ENV_ISA, ext.isa().lower())
-    with mla_ops.use_backend("cpu_native"):
+    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("cpu_native"):
         assert ("kv_prolog", "cpu", "cpu_native") in mla_ops.backends.bound_report()
         yield ext
+
+
+# ------------------------------------------------------------------------------ on the dispatcher
+def _python_frames_of_mla_ops(fn) -> list[str]:
+    """The mla_ops functions Python enters while `fn()` runs."""
+    import sys
+
+    package = mla_ops.__file__.rsplit("/", 1)[0]
+    entered = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            entered.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def _tiny_calls():
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(torch.float32, 16, [20, 7])
+    key, value = torch.zeros(3, 1, L), torch.zeros(3, 1, R)
+    slots = torch.tensor([5, -1, 40])
+    prolog_args, prolog_kwargs = _prolog_case(torch.bfloat16, 1, 1)
+    return {
+        "mla_decode_attention": lambda: torch.ops.mla.mla_decode_attention(
+            q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1),
+        "scatter_pa_kv_cache": lambda: torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots),
+        "gather_pa_kv_cache": lambda: torch.ops.mla.gather_pa_kv_cache(
+            key_cache, value_cache, tables[:, :1], torch.tensor([3, 0]), key, value),
+        "gather_pa_kv_cache_functional": lambda: torch.ops.mla.gather_pa_kv_cache_functional(
+            key_cache, value_cache, tables[:, :1], torch.tensor([3, 0]), key, value),
+        "kv_prolog": lambda: torch.ops.mla.kv_prolog(*prolog_args, **prolog_kwargs),
+        "latent_kv_prolog": lambda: torch.ops.mla.latent_kv_prolog(*prolog_args[:4], *prolog_args[5:]),
+    }
+
+
+@pytest.mark.parametrize("op", list(_tiny_calls()))
+@pytest.mark.parametrize("grad_mode", ["no_grad", "grad enabled, no input requires grad"])
+def test_a_native_call_runs_no_python_of_the_package(ext, op, grad_mode):
+    """With cpu_native the automatic choice, `torch.ops.mla.<op>` on CPU tensors goes from the dispatcher
+    to the C++ kernel: no Python frame of mla_ops (check, chooser, autograd wrapper) on the way."""
+    call = _tiny_calls()[op]
+    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"):
+        with torch.no_grad() if grad_mode == "no_grad" else torch.enable_grad():
+            call()  # first call: lazy initialisation is not the steady state
+            assert _python_frames_of_mla_ops(call) == []
+
+
+def test_a_call_the_native_kernel_cannot_serve_goes_to_the_reference_kernel(ext):
+    """float64 is not served natively: the C++ kernel hands the call to the reference (Python) kernel."""
+    args = _pool_case(torch.float64, 16, [20, 7])
+    expected = torch.ops.mla.mla_decode_attention(*args, 0.1)  # the reference (this file's default)
+    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"):
+        frames = _python_frames_of_mla_ops(lambda: torch.ops.mla.mla_decode_attention(*args, 0.1))
+        assert any("mla_decode_attention_reference" in f for f in frames), frames
+        assert torch.equal(torch.ops.mla.mla_decode_attention(*args, 0.1), expected)
+
+
+def test_a_demanded_native_backend_refuses_from_cpp_with_the_backend_layers_message(native_registered):
+    args = _pool_case(torch.float64, 16, [20, 7])
+    with pytest.raises(NotImplementedError) as refused:
+        torch.ops.mla.mla_decode_attention(*args, 0.1)
+    reason = ("torch.float64 is not served by the native kernels (float32, bfloat16, float16); the reference "
+              "kernel serves it")
+    expected = mla_ops.backends.refusal("mla_decode_attention", "cpu_native", reason)
+    assert str(refused.value) == expected
+
+
+def test_gradients_through_the_native_prolog_equal_the_reference(ext):
+    """Inputs that require grad leave the C++ fast path for the op's autograd formula, whose forward is
+    the native kernel again; gradients equal the reference's (fp32)."""
+    args, kwargs = _prolog_case(torch.float32, 2, 3, bias=True)
+
+    def grads():
+        leaves = [a.detach().clone().requires_grad_(True) if a is not None else None for a in args[:5]]
+        outs = torch.ops.mla.kv_prolog(*leaves, *args[5:], **kwargs)
+        sum(o.square().sum() for o in outs).backward()
+        return [leaf.grad for leaf in leaves if leaf is not None]
+
+    expected = grads()  # reference
+    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"):
+        got = grads()
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_the_native_write_ops_bump_the_version_of_what_they_write(ext):
+    """What ADInplaceOrView does for ATen's in-place ops: autograd can tell a cache was modified."""
+    key, value = torch.randn(2, 1, L), torch.randn(2, 1, R)
+    key_cache, value_cache = torch.zeros(4, 16, 1, L), torch.zeros(4, 16, 1, R)
+    before = (key_cache._version, value_cache._version)
+    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"), torch.no_grad():
+        torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, torch.tensor([0, 17]))
+    assert key_cache._version > before[0] and value_cache._version > before[1]
+    assert torch.equal(key_cache[1, 1], key[1])
+
+
+def test_unbinding_removes_the_cpp_registrations(ext):
+    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"):
+        assert "registration.cpp" in mla_ops.backends.bound_registrations("scatter_pa_kv_cache")["CPU"]
+    dump = torch._C._dispatch_dump("mla::scatter_pa_kv_cache")  # this file's default: the reference
+    assert "registration.cpp" not in dump, dump
 
 
 @pytest.mark.filterwarnings("ignore:Warning only once for all operators")

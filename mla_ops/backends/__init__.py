@@ -25,6 +25,13 @@ op and dispatch key, either the chosen kernel itself or — when the first candi
 depend on the inputs — a small chooser walking the candidates. It runs at import and again whenever
 the setting changes. The reference kernels sit on CompositeExplicitAutograd (see `mla_ops._library`)
 and serve every device nothing else is bound for.
+
+A backend with C++ kernels can register them on the dispatcher itself (`Backend(cpu_registrar=...)`,
+the ``cpu_native`` backend): when it is the first choice for an op on CPU and only the reference
+kernel comes after it, `bind()` hands it the op, and `torch.ops.mla.<op>` on CPU tensors then runs no
+Python at all — the C++ kernel checks the arguments (the same messages as the Python checks), asks
+its own reasons, and hands a call it cannot serve to the reference kernel (automatic choice) or
+refuses it with the message below (a demand).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import dataclasses
 import functools
 import importlib
 import pkgutil
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -50,6 +57,31 @@ class Kernel:
     fn: Callable
     reasons: Optional[Callable] = None  # (*args, **kwargs) -> list[str]; memoised per call signature
     path: Optional[Callable] = None     # (*args, **kwargs) -> str: which of the kernel's own paths runs
+    checks_arguments: bool = False      # fn runs the op's metadata check itself (in C++): not again before it
+
+
+class CpuRegistrar(Protocol):
+    """What a backend with C++ kernels offers `bind()` (the native extension module is one):
+
+    * ``dispatcher_ops() -> list[str]``: the ops it can serve from the dispatcher;
+    * ``bind(requests)``: register, for each ``OpRequest(op, demand, refusal_head, refusal_tail)``, a
+      CPU kernel (checks, reasons, kernel; a call it cannot serve goes to the reference kernel, or with
+      ``demand`` raises NotImplementedError(refusal_head + "; ".join(reasons) + refusal_tail)) and an
+      AutogradCPU kernel (no input needs a gradient: straight to it; else the op's own Autograd
+      kernel). Replaces its earlier binding;
+    * ``unbind()``; ``registration_file() -> str`` (what the dispatcher records as their source);
+    * ``OpRequest``: the request type.
+    """
+
+    OpRequest: type
+
+    def dispatcher_ops(self) -> list[str]: ...
+
+    def bind(self, requests: list) -> None: ...
+
+    def unbind(self) -> None: ...
+
+    def registration_file(self) -> str: ...
 
 
 class Backend:
@@ -63,30 +95,37 @@ class Backend:
             heavy packages (probe with find_spec); the answer is cached.
         auto_priority: its rank in the automatic choice on its device types (lower is tried first);
             None: it serves only when requested by name. The reference kernels always come last.
+        cpu_registrar: () -> a `CpuRegistrar` (or None when unavailable): C++ kernels the backend
+            registers on the dispatcher itself for the ops it is the CPU choice of.
     """
 
     def __init__(self, name: str, description: str, device_types: tuple[str, ...],
-                 unavailable: Callable[[], Optional[str]] = lambda: None, *, auto_priority: Optional[int] = None):
+                 unavailable: Callable[[], Optional[str]] = lambda: None, *, auto_priority: Optional[int] = None,
+                 cpu_registrar: Optional[Callable[[], Optional[CpuRegistrar]]] = None):
         if name in BACKENDS:
             raise RuntimeError(f"backend {name!r} is defined twice")
         self.name = name
         self.description = description
         self.device_types = device_types
         self.auto_priority = auto_priority
+        self.cpu_registrar = cpu_registrar
         self._unavailable = functools.lru_cache(maxsize=None)(unavailable)
         self.kernels: dict[str, Kernel] = {}
         BACKENDS[name] = self
 
     def kernel(self, op: str, *, reasons: Optional[Callable] = None, memoize: bool = True,
-               path: Optional[Callable] = None):
+               path: Optional[Callable] = None, checks_arguments: bool = False):
         """Decorator: `fn` is this backend's kernel for `mla::<op>` (same signature as the op).
 
         `reasons(*args, **kwargs) -> list[str]`: why the kernel cannot serve a call (the backend layer
         then falls back to the next candidate); cached per call signature unless `memoize=False` (for
         reasons cheaper than building the key). `path`: for a kernel that chooses between paths of its
-        own (the NPU kv_prolog: fused or baseline), a description of the one a call takes, for `explain()`."""
+        own (the NPU kv_prolog: fused or baseline), a description of the one a call takes, for `explain()`.
+        `checks_arguments`: `fn` runs the op's metadata check itself (a C++ kernel), so the backend layer
+        does not run the Python one before it."""
         def register(fn: Callable) -> Callable:
-            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons and memoize else reasons, path)
+            self.kernels[op] = Kernel(fn, memo_by_signature(reasons) if reasons and memoize else reasons, path,
+                                      checks_arguments)
             return fn
         return register
 
@@ -166,6 +205,12 @@ def _is_demand(op: str, setting: str) -> bool:
     return setting != "auto" and op in BACKENDS[setting].kernels
 
 
+def refusal(op: str, backend: str, reasons: str) -> str:
+    """The NotImplementedError text of a demanded backend that cannot serve a call (`reasons` joined)."""
+    return (f"mla.{op}: backend {backend!r} was requested (MLA_OPS_BACKEND / mla_ops.settings) but "
+            f"cannot serve this call: {reasons}. Use MLA_OPS_BACKEND=auto to fall back.")
+
+
 def _pick(op: str, options: tuple[Backend, ...], demand: bool, args: tuple, kwargs: dict):
     """The first of `options` that serves this call -> (backend, [(skipped backend, reasons)])."""
     skipped: list[tuple[str, list[str]]] = []
@@ -174,9 +219,7 @@ def _pick(op: str, options: tuple[Backend, ...], demand: bool, args: tuple, kwar
         if not reasons:
             return backend, skipped
         if demand:
-            raise NotImplementedError(
-                f"mla.{op}: backend {backend.name!r} was requested (MLA_OPS_BACKEND / mla_ops.settings) but "
-                f"cannot serve this call: {'; '.join(reasons)}. Use MLA_OPS_BACKEND=auto to fall back.")
+            raise NotImplementedError(refusal(op, backend.name, "; ".join(reasons)))
         skipped.append((backend.name, reasons))
     return REFERENCE, skipped
 
@@ -217,6 +260,8 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
 # ---------------------------------------------------------------------------------------- binding
 _bound_lib: Optional[torch.library.Library] = None
 _bound: dict[tuple[str, str], str] = {}  # (op, device type) -> what serves it, for reports
+_registered: dict[tuple[str, str], str] = {}  # (op, dispatch key) -> the file that registered bind()'s kernel
+_bound_registrars: list = []  # the CpuRegistrars holding registrations made by the last bind()
 
 
 def _chooser(op: str, options: tuple[Backend, ...], demand: bool) -> Callable:
@@ -229,14 +274,29 @@ def _chooser(op: str, options: tuple[Backend, ...], demand: bool) -> Callable:
     return choose_and_run
 
 
+def _cpu_registrar(op: str, device_type: str, options: tuple[Backend, ...]):
+    """The registrar of the first candidate when it can serve `op` from the dispatcher: C++ kernels on
+    the CPU key, with nothing but the reference kernel (its fallback) after it."""
+    first = options[0]
+    if DISPATCH_KEYS[device_type] != "CPU" or first.cpu_registrar is None or options[1:] not in ((), (REFERENCE,)):
+        return None
+    registrar = first.cpu_registrar()
+    return registrar if registrar is not None and op in registrar.dispatcher_ops() else None
+
+
 def bind() -> None:
     """(Re)attach the chosen kernels for every op and device type under the current setting."""
     global _bound_lib
     _sync_reference_kernels()
     if _bound_lib is not None:
         _bound_lib._destroy()
+    for registrar in _bound_registrars:
+        registrar.unbind()
+    _bound_registrars.clear()
     _bound_lib = torch.library.Library(NAMESPACE, "IMPL")
     _bound.clear()
+    _registered.clear()
+    requests: dict[Any, list] = {}
     for name, op in OPS.items():
         for device_type, key in DISPATCH_KEYS.items():
             options = candidates(name, device_type)
@@ -244,16 +304,37 @@ def bind() -> None:
                 _bound[(name, device_type)] = "reference"
                 continue  # CompositeExplicitAutograd serves it
             first = options[0]
+            demand = _is_demand(name, settings.backend)
+            registrar = _cpu_registrar(name, device_type, options)
+            if registrar is not None:
+                head, tail = refusal(name, first.name, "\0").split("\0")
+                requests.setdefault(registrar, []).append(registrar.OpRequest(name, demand, head, tail))
+                falls_back = first.kernels[name].reasons is not None  # call-dependent reasons: the reference
+                _bound[(name, device_type)] = " or ".join(b.name for b in options) if falls_back else first.name
+                continue
             # the first candidate takes every call it can be asked (no call-dependent reasons): bind it
             direct = (first.kernels[name].reasons is None and first.serves_device(device_type)
                       and not first.unavailable_reason())
             if direct:
-                kernel, label = first.kernels[name].fn, first.name
+                kernel, label, checked = first.kernels[name].fn, first.name, first.kernels[name].checks_arguments
             else:
-                kernel = _chooser(name, options, _is_demand(name, settings.backend))
-                label = " or ".join(b.name for b in options)
-            _bound_lib.impl(name, checked_kernel(op, kernel, f"mla_{name}_{device_type}"), key)
+                kernel = _chooser(name, options, demand)
+                label, checked = " or ".join(b.name for b in options), False
+            _bound_lib.impl(name, kernel if checked else checked_kernel(op, kernel, f"mla_{name}_{device_type}"), key)
             _bound[(name, device_type)] = label
+            _registered[(name, key)] = __file__
+    for registrar, ops in requests.items():
+        registrar.bind(ops)
+        _bound_registrars.append(registrar)
+        for request in ops:
+            for key in ("CPU", "AutogradCPU"):
+                _registered[(request.op, key)] = registrar.registration_file()
+
+
+def bound_registrations(op: str) -> dict[str, str]:
+    """dispatch key -> the file that registered the kernel `bind()` attached for `op` there (the
+    backend layer's Python Library, or a backend's C++ registration), for the binding tests."""
+    return {key: source for (name, key), source in _registered.items() if name == op}
 
 
 def bound_report() -> list[tuple[str, str, str]]:
@@ -274,5 +355,5 @@ def availability_report() -> list[tuple[str, str, str]]:
 
 _settings_module.on_backend_change(bind)
 
-__all__ = ["Backend", "Kernel", "BACKENDS", "REFERENCE", "auto_priority", "candidates", "choose", "explain",
-           "bind", "bound_report", "availability_report"]
+__all__ = ["Backend", "Kernel", "CpuRegistrar", "BACKENDS", "REFERENCE", "auto_priority", "candidates", "choose",
+           "explain", "refusal", "bind", "bound_report", "bound_registrations", "availability_report"]

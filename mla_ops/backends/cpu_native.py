@@ -10,36 +10,32 @@ AVX-512 machine. The build is imported when the backends are bound (at ``import 
 imports decides the CPU binding); it is our own extension and pulls in no optional package. A
 machine where no build imports keeps the reference kernels, and `mla-ops info` says why.
 
-The op's metadata check runs before these kernels (the backend layer binds them behind it). The C++
-kernels validate index values themselves and report a bad value without writing anything; the
-reference value checks then run only to raise the usual ValueError. What the kernels do not serve
-(float64, gradcheck's dtype; decode caches whose last dim is not unit-stride; a prolog rotating k_pe
-with rope_compute_dtype="activation" in fp16 / bf16) goes to the reference kernels, with the reason in
-`mla_ops.explain(...)`.
+The ops this backend serves on CPU are registered on the dispatcher by the extension itself
+(`bindings.cpp` / `registration.cpp`: CPU and AutogradCPU kernels, bound by `mla_ops.backends.bind`
+for the build `load()` picks), so `torch.ops.mla.<op>` on CPU tensors runs no Python: the C++ kernel
+runs the op's metadata check (the C++ twin of the Python one, same messages), this backend's reasons
+(`*_reasons` below, in C++ too), the index-value checks (ValueError, nothing written) and the kernel.
+What the kernels do not serve (float64, gradcheck's dtype; decode caches whose last dim is not
+unit-stride; a prolog rotating k_pe with rope_compute_dtype="activation" in fp16 / bf16; pair-major
+rotary tables; the "neox" layout) goes to the reference kernels, with the reason in
+`mla_ops.explain(...)`, or is refused when this backend was requested by name.
 
-C++ entry points (pybind11, `bindings.cpp`; the GIL is released during every call):
-``decode_attention(..., validate) -> Tensor | None``, ``kv_prolog(...)``, ``latent_kv_prolog(...)``,
-``gather_pa_kv_cache(...) -> int`` and ``scatter_pa_kv_cache(...) -> int`` (0 done, 1 bad value,
-nothing written), ``isa()``.
+The Python kernels below call a build directly (the `_ext` keyword selects one: tests and
+benchmarks compare builds side by side); they take the path only when the dispatcher binding does
+not (another backend ranked between this one and the reference).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
-from torch import Tensor
 
-from .._checks import INTERLEAVED_INPUT_LAYOUTS
-from ..ops.decode_attention import check_decode_values
-from ..ops.gather_pa_kv_cache import check_gather_values, functional_gather
-from ..ops.scatter_pa_kv_cache import check_scatter_values
 from . import Backend
-
-NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 ISAS = ("avx512", "avx2", "default")
 ENV_ISA = "MLA_OPS_NATIVE_ISA"
@@ -141,121 +137,80 @@ def _unavailable() -> Optional[str]:
     return unavailable_reason()
 
 
+@contextlib.contextmanager
+def use_isa(isa: Optional[str]) -> Iterator[None]:
+    """Serve the ops from the `isa` build (``MLA_OPS_NATIVE_ISA``) inside the block, re-binding the
+    dispatcher on entry and exit (the binding is made for one build, not looked up per call)."""
+    from . import bind
+
+    previous = os.environ.get(ENV_ISA)
+    if isa is None:
+        os.environ.pop(ENV_ISA, None)
+    else:
+        os.environ[ENV_ISA] = isa
+    bind()
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_ISA, None)
+        else:
+            os.environ[ENV_ISA] = previous
+        bind()
+
+
 CPU_NATIVE = Backend("cpu_native", "C++ kernels (ATen vectorized, at::parallel_for) built with the package",
-                     ("cpu",), _unavailable, auto_priority=0)  # the automatic choice on CPU where a build imports
-
-
-def _dtype_reasons(activation: Tensor) -> list[str]:
-    if activation.dtype in NATIVE_DTYPES:
-        return []
-    return [f"{activation.dtype} is not served by the native kernels (float32, bfloat16, float16); "
-            f"the reference kernel serves it"]
+                     ("cpu",), _unavailable, auto_priority=0,  # the automatic choice on CPU where a build imports
+                     cpu_registrar=lambda: load())
 
 
 def _prolog_reasons(hidden_states, *args, rope_layout: str = "interleaved", rope_compute_dtype: str = "float32",
                     **kwargs) -> list[str]:
     """(kv_prolog and latent_kv_prolog: cos and sin are the last two positional arguments.)"""
-    reasons = _dtype_reasons(hidden_states)
-    if rope_compute_dtype == "activation" and hidden_states.dtype != torch.float32:
-        # In fp32 the kernel's separately rounded fp32 products and sums (-ffp-contract=off) are the
-        # "activation" formula itself; in fp16 / bf16 that formula rounds every step to the half type.
-        reasons.append(f"rope_compute_dtype 'activation' with {hidden_states.dtype}: the native prolog kernels "
-                       f"rotate k_pe in fp32 and round once; the reference kernel rounds each product and sum to "
-                       f"{hidden_states.dtype} as the stock x*cos + rotate_half(x)*sin does")
-    cos, sin = args[-2], args[-1]
-    if not (_position_major(cos) and _position_major(sin)):
-        # transformers 4.54 - 5.1x build DeepSeek-V2's rotary tables transposed; ATen's complex
-        # multiply over such a layout (the stock model's RoPE, and the reference kernel's) takes a
-        # loop whose rounding the vectorised native formula does not reproduce
-        reasons.append("cos/sin are laid out pair-major (the rotary tables of a transposed freqs tensor); the "
-                       "reference kernel reproduces transformers' rounding for them")
-    if rope_layout not in INTERLEAVED_INPUT_LAYOUTS:
-        reasons.append(f"rope_layout {rope_layout!r}: the native prolog kernels rotate adjacent pairs "
-                       f"({' or '.join(INTERLEAVED_INPUT_LAYOUTS)}); the reference kernel serves it")
-    return reasons
-
-
-def _position_major(table: Tensor) -> bool:
-    """Whether a [.., S, R/2] table steps through pairs no slower than through positions."""
-    return table.dim() < 2 or table.shape[-1] <= 1 or table.shape[-2] <= 1 or table.stride(-1) <= table.stride(-2)
+    return _module(None).prolog_reasons(hidden_states, args[-2], args[-1], rope_layout, rope_compute_dtype)
 
 
 def _decode_reasons(q_latent, q_pe, key_cache, value_cache, *args, **kwargs) -> list[str]:
-    reasons = _dtype_reasons(q_latent)
-    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
-        reasons.append("the caches' last dim must be unit-stride for the native decode kernel")
-    return reasons
-
-
-def _bad_values(op: str) -> RuntimeError:
-    return RuntimeError(f"mla.{op}: the native kernel rejected the index values but the reference checks "
-                        f"accept them (please report this with the inputs)")
+    return _module(None).mla_decode_attention_reasons(q_latent, key_cache, value_cache)
 
 
 # ------------------------------------------------------------------------------------------ kernels
-# `_ext` (keyword-only, not part of the op schemas) selects a build explicitly: tests and benchmark.
+# Each is the extension's direct entry point (the op's checks, reasons and kernel, in C++). `_ext`
+# (keyword-only, not part of the op schemas) selects a build explicitly: tests and benchmark.
+def _direct(op: str, doc: str, reasons=None):
+    def kernel(*args, _ext: Optional[ModuleType] = None, **kwargs):
+        return getattr(_module(_ext), op)(*args, **kwargs)
 
-@CPU_NATIVE.kernel("mla_decode_attention", reasons=_decode_reasons, memoize=False)
-def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
-                         block_tables: Tensor, seq_lens: Tensor, softmax_scale: float, *,
-                         _ext: Optional[ModuleType] = None) -> Tensor:
+    kernel.__name__ = kernel.__qualname__ = op
+    kernel.__doc__ = doc
+    CPU_NATIVE.kernel(op, reasons=reasons, memoize=False, checks_arguments=True)(kernel)
+    return kernel
+
+
+mla_decode_attention = _direct(
+    "mla_decode_attention",
     """q_latent [B, N, L], q_pe [B, N, R], key_cache [NB, bs, 1, L], value_cache [NB, bs, 1, R],
     block_tables [B, max_blocks], seq_lens [B] (int32/int64) -> o_latent [B, N, L] in q's dtype.
 
     fp32 scores and probabilities with an online softmax, split over batch x heads x context chunks
-    (one sequence uses every core); positions past a row's length are never read."""
-    out = _module(_ext).decode_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                         float(softmax_scale), True)
-    if out is None:  # a bad index value: the reference check formats the error
-        check_decode_values(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
-        raise _bad_values("mla_decode_attention")
-    return out
-
-
-@CPU_NATIVE.kernel("kv_prolog", reasons=_prolog_reasons, memoize=False)
-def kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor], kv_norm_weight: Tensor,
-              kv_b_weight: Tensor, cos: Tensor, sin: Tensor, *, num_heads: int, qk_nope_head_dim: int,
-              v_head_dim: int, eps: float = 1e-6, rope_layout: str = "interleaved",
-              rope_compute_dtype: str = "float32", _ext: Optional[ModuleType] = None):
+    (one sequence uses every core); positions past a row's length are never read.""",
+    _decode_reasons)
+kv_prolog = _direct(
+    "kv_prolog",
     """The two GEMMs through ATen (the reference's own calls), then split + RMSNorm + RoPE + output
-    layout in one vectorised pass; bit-identical to the reference kernel."""
-    return _module(_ext).kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin,
-                                   num_heads, qk_nope_head_dim, v_head_dim, float(eps), rope_layout == "interleaved")
-
-
-@CPU_NATIVE.kernel("latent_kv_prolog", reasons=_prolog_reasons, memoize=False)
-def latent_kv_prolog(hidden_states: Tensor, kv_a_weight: Tensor, kv_a_bias: Optional[Tensor],
-                     kv_norm_weight: Tensor, cos: Tensor, sin: Tensor, *, eps: float = 1e-6,
-                     rope_layout: str = "interleaved", rope_compute_dtype: str = "float32",
-                     _ext: Optional[ModuleType] = None):
-    """hidden_states [B, S, H] -> latent [B, S, L] (normed), k_pe [B, S, R] (rotated); bit-identical."""
-    return _module(_ext).latent_kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin,
-                                          float(eps), rope_layout == "interleaved")
-
-
-@CPU_NATIVE.kernel("gather_pa_kv_cache")
-def gather_pa_kv_cache(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, key: Tensor,
-                       value: Tensor, *, seq_offset: Optional[Tensor] = None, is_seq_lens_cumsum: bool = False,
-                       _ext: Optional[ModuleType] = None) -> None:
+    layout in one vectorised pass; bit-identical to the reference kernel.""",
+    _prolog_reasons)
+latent_kv_prolog = _direct(
+    "latent_kv_prolog",
+    "hidden_states [B, S, H] -> latent [B, S, L] (normed), k_pe [B, S, R] (rotated); bit-identical.",
+    _prolog_reasons)
+gather_pa_kv_cache = _direct(
+    "gather_pa_kv_cache",
     """Block-run copies of every sequence's tokens into key [T, Hk, Dk] / value [T, Hv, Dv] (any cache
-    strides); validated first, nothing written on a bad value."""
-    status = _module(_ext).gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, value,
-                                              seq_offset, bool(is_seq_lens_cumsum))
-    if status != 0:
-        check_gather_values("gather_pa_kv_cache", key_cache, block_tables, seq_lens, key.shape[0], seq_offset,
-                            is_seq_lens_cumsum)
-        raise _bad_values("gather_pa_kv_cache")
-
-
-CPU_NATIVE.kernel("gather_pa_kv_cache_functional")(functional_gather(gather_pa_kv_cache))
-gather_pa_kv_cache_functional = CPU_NATIVE.kernels["gather_pa_kv_cache_functional"].fn
-
-
-@CPU_NATIVE.kernel("scatter_pa_kv_cache")
-def scatter_pa_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
-                        *, _ext: Optional[ModuleType] = None) -> None:
-    """key_cache[slot // bs, slot % bs] = key[t] (same for value) for every token t with slot >= 0."""
-    status = _module(_ext).scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-    if status != 0:
-        check_scatter_values(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
-        raise _bad_values("scatter_pa_kv_cache")
+    strides); validated first, nothing written on a bad value.""")
+gather_pa_kv_cache_functional = _direct(
+    "gather_pa_kv_cache_functional",
+    "The out-of-place twin: gathers into clones of key and value (their strides kept) and returns them.")
+scatter_pa_kv_cache = _direct(
+    "scatter_pa_kv_cache",
+    "key_cache[slot // bs, slot % bs] = key[t] (same for value) for every token t with slot >= 0.")

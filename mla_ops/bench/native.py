@@ -232,6 +232,49 @@ def paged_rows(
     return rows
 
 
+def tiny_calls() -> dict:
+    """One smallest-possible call of every op the native backend serves (a few elements each): what
+    they cost is the path from `torch.ops.mla.<op>` to the kernel, not the kernel."""
+    g = torch.Generator().manual_seed(0)
+    heads, lora, rope, block = 1, 16, 4, 16
+    q_latent, q_pe = torch.randn(1, heads, lora, generator=g), torch.randn(1, heads, rope, generator=g)
+    key_cache, value_cache = torch.randn(1, block, 1, lora, generator=g), torch.randn(1, block, 1, rope, generator=g)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    key, value = torch.randn(1, 1, lora, generator=g), torch.randn(1, 1, rope, generator=g)
+    slots = torch.zeros(1, dtype=torch.int32)
+    hidden, kv_a = torch.randn(1, 1, 8, generator=g), torch.randn(lora + rope, 8, generator=g)
+    norm_w, kv_b = torch.ones(lora), torch.randn(heads * 2 * 4, lora, generator=g)
+    cos, sin = torch.ones(1, rope // 2), torch.zeros(1, rope // 2)
+    mla = torch.ops.mla
+    return {
+        "mla_decode_attention": lambda: mla.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, lens,
+                                                                 0.1),
+        "scatter_pa_kv_cache": lambda: mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots),
+        "gather_pa_kv_cache": lambda: mla.gather_pa_kv_cache(key_cache, value_cache, tables, lens, key, value),
+        "gather_pa_kv_cache_functional": lambda: mla.gather_pa_kv_cache_functional(key_cache, value_cache, tables,
+                                                                                   lens, key, value),
+        "latent_kv_prolog": lambda: mla.latent_kv_prolog(hidden, kv_a, None, norm_w, cos, sin),
+        "kv_prolog": lambda: mla.kv_prolog(hidden, kv_a, None, norm_w, kv_b, cos, sin, num_heads=heads,
+                                           qk_nope_head_dim=4, v_head_dim=4),
+    }
+
+
+def call_rows(*, rounds: int = 5, min_run_time: float = 0.2) -> list[dict]:
+    """The fixed cost of a call: every native op's tiny call against a tiny `torch.bmm` ([1,1,1] x
+    [1,1,1]), under no_grad on one thread, side by side."""
+    a, b = torch.randn(1, 1, 1), torch.randn(1, 1, 1)
+    variants = {"bmm": lambda: torch.bmm(a, b), **tiny_calls()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            res = interleaved_medians(variants, rounds=rounds, min_run_time=min_run_time)
+    finally:
+        torch.set_num_threads(threads)
+    return [{"op": name, "us": res[name]["median_s"] * 1e6, "bmm_us": res["bmm"]["median_s"] * 1e6,
+             "over_bmm": median_ratio(res, name, "bmm")} for name in variants if name != "bmm"]
+
+
 DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (512, 4096, 16384) for b in (1, 8)]
 
 
@@ -243,13 +286,14 @@ def run(quick: bool = False, vllm: bool = True, rounds: Optional[int] = None) ->
 
 
 def _run(quick: bool, vllm: bool, rounds: Optional[int]) -> dict:
-    """All three tables (+ the environment). `quick`: fewer cases and shorter rounds."""
+    """All four tables (+ the environment). `quick`: fewer cases and shorter rounds."""
     rounds = rounds or (3 if quick else 5)
     mrt = 0.05 if quick else 0.2
     configs = [(1, 4096, 16), (8, 4096, 16), (1, 4096, 64), (8, 4096, 64)] if quick else DECODE_CONFIGS
     dtypes = (torch.bfloat16, torch.float32)
     return {
         "environment": environment(),
+        "calls": call_rows(rounds=rounds, min_run_time=mrt),
         "decode": decode_rows(configs, dtypes, vllm=vllm, rounds=rounds, min_run_time=mrt),
         "prolog": prolog_rows(
             (1, 16) if quick else (1, 16, 512),
@@ -304,7 +348,9 @@ def format_report(result: dict) -> str:
         ("native_speed_vs_copy", "native x copy_"),
         ("reference_speed_vs_copy", "reference x copy_"),
     ]
+    call_cols = [("op", "op"), ("us", "call us"), ("bmm_us", "tiny bmm us"), ("over_bmm", "x bmm")]
     for title, key, cols in (
+        ("fixed cost of a call (tiny inputs, no_grad, 1 thread)", "calls", call_cols),
         ("decode attention (N=16, L=512, R=64)", "decode", dec_cols),
         ("kv_prolog (H=2048, L=512, R=64, N=16, P=V=128)", "prolog", pro_cols),
         ("paged gather / scatter (576 x bf16 per token)", "paged", pag_cols),

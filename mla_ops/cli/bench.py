@@ -12,7 +12,7 @@ import pathlib
 import shlex
 from typing import Callable, NamedTuple
 
-from ..bench.timing import format_table, min_rounds
+from ..bench.timing import min_rounds
 from .arguments import int_at_least, int_list
 from .runtime import CliError, check_writable
 
@@ -226,47 +226,52 @@ def _run_npu_sim(args, meta: dict) -> dict:
 
 # -------------------------------------------------------------------------------------------- vllm
 def _vllm_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: a small random DeepSeek-V2)")
-    p.add_argument("--contexts", type=int_list, default=[128, 1024, 4096],
-                   help="prompt lengths (default: 128,1024,4096)")
-    p.add_argument("--batch-sizes", type=int_list, default=[1, 4], help="default: 1,4")
-    p.add_argument("--decode-tokens", type=int_at_least(2), default=48)
+    from ..bench.vllm import PRESETS
+
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="tiny (default): the 2-layer test model, contexts 128,1024,4096 x batch 1,4. "
+                        "v2-lite-attention: DeepSeek-V2-Lite's attention dims (hidden 2048, 16 heads, latent "
+                        "512 + rope 64, nope/v 128), 8 layers, a small dense MLP, contexts 4096,16384 x batch "
+                        "1,8, 32 decode tokens. The options below override the preset")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the preset's random DeepSeek-V2)")
+    p.add_argument("--contexts", type=int_list, default=None, help="prompt lengths (default: the preset's)")
+    p.add_argument("--batch-sizes", type=int_list, default=None, help="default: the preset's")
+    p.add_argument("--cases", default=None,
+                   help="CONTEXTxBATCH pairs, comma-separated (4096x1,4096x8), instead of contexts x batch sizes")
+    p.add_argument("--decode-tokens", type=int_at_least(2), default=None, help="default: the preset's")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--layers", type=int_at_least(1), default=2, help="layers of the generated model")
+    p.add_argument("--layers", type=int_at_least(1), default=None, help="layers of the generated model "
+                                                                        "(default: the preset's)")
     p.add_argument("--attention-backend", default=None, choices=["CPU_MLA", "AMX_MLA"],
                    help="vLLM attention backend for both sides (default: vLLM's choice on this CPU: AMX_MLA "
                         "with AMX tiles, else CPU_MLA)")
+    p.add_argument("--auto-route", action="store_true",
+                   help="also run the plugin's default route (MLA_OPS_VLLM_ROUTE=auto), rows 'auto': one more "
+                        "engine")
 
 
 def _run_vllm(args, meta: dict) -> dict:
     import importlib.util
-
-    import torch
 
     if importlib.util.find_spec("vllm") is None:
         raise CliError("bench vllm needs vLLM next to mla-ops: build .venv-vllm with `make test-vllm` and run "
                        ".venv-vllm/bin/mla-ops bench vllm")
     from ..bench import vllm
 
-    rows = vllm.measure(args.model, contexts=args.contexts, batch_sizes=args.batch_sizes,
-                        decode_tokens=args.decode_tokens, dtype=args.dtype, num_layers=args.layers,
-                        attention_backend=args.attention_backend)
-    print("\nvLLM decode: the mla-ops route (forced) vs vLLM's own kernels, same engine, backend, model and "
-          "prompts")
-    print(vllm.format_rows(rows))
-    op_rows = vllm.measure_ops(contexts=args.contexts, batch_sizes=args.batch_sizes,
-                               dtype=getattr(torch, args.dtype))
-    print("\ndecode kernel alone (vLLM's cache layout, 16 heads, min of 50 calls, 1 thread)")
-    print(format_table(op_rows, [("host", "vLLM kernel"), ("context", "context"), ("batch", "batch"),
-                                 ("mla_ms", "mla ms"),
-                                 ("vllm_ms", "vllm ms"), ("mla_vs_vllm", "mla / vllm time")]))
-    from ..integrations.vllm import routes
-
-    decisions = {b: routes.decide(b).describe(b) for b in ("CPU_MLA", "AMX_MLA")}
-    print("\nthe plugin's default on this machine (MLA_OPS_VLLM_ROUTE=auto):")
-    print("\n".join(f"  {line}" for line in decisions.values()))
-    meta.update(vllm.environment(), dtype=args.dtype, decode_tokens=args.decode_tokens)
-    return {"meta": meta, "rows": rows, "op_rows": op_rows, "default_routes": decisions}
+    try:
+        cases = None if args.cases is None else vllm.parse_cases(args.cases)
+    except ValueError as exc:
+        raise CliError(f"--cases: {exc}") from None
+    result = vllm.run_preset(args.preset, model=args.model, contexts=args.contexts, batch_sizes=args.batch_sizes,
+                             cases=cases, decode_tokens=args.decode_tokens, num_layers=args.layers,
+                             dtype=args.dtype, attention_backend=args.attention_backend,
+                             auto_route=args.auto_route)
+    print()
+    print(vllm.format_report(result))
+    result["model"] = portable(result["model"])  # a --model directory, named without the machine's path
+    meta.update(result.pop("environment"), dtype=args.dtype, decode_tokens=result["decode_tokens"],
+                preset=args.preset)
+    return {"meta": meta, **result}
 
 
 BENCHMARKS: dict[str, Benchmark] = {

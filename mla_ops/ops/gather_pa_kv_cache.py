@@ -118,9 +118,9 @@ def check_gather_values(op: str, key_cache: Tensor, block_tables: Tensor, seq_le
         if seq_lens.numel() and int(seq_lens[0]) != 0:
             raise ValueError(f"mla.{op}: cumulative seq_lens must start at 0, got seq_lens[0] = {int(seq_lens[0])}; "
                              f"prepend a 0 or pass per-sequence lengths with is_seq_lens_cumsum=False")
-        steps = seq_lens[1:] - seq_lens[:-1]
-        if bool((steps < 0).any()):
-            i = first_bad(steps < 0)
+        decreasing = seq_lens[1:] < seq_lens[:-1]  # compared, not subtracted: no int64 overflow
+        if bool(decreasing.any()):
+            i = first_bad(decreasing)
             raise ValueError(f"mla.{op}: cumulative seq_lens must never decrease, but seq_lens[{i + 1}] = "
                              f"{int(seq_lens[i + 1])} < seq_lens[{i}] = {int(seq_lens[i])}")
     elif bool((seq_lens < 0).any()):
@@ -144,19 +144,21 @@ def check_gather_values(op: str, key_cache: Tensor, block_tables: Tensor, seq_le
         raise ValueError(f"mla.{op}: seq_offset[{q}] = {int(offsets[q])} starts at block-table column "
                          f"{int(table_offset[q])} but block_tables has only {columns} columns; offsets count tokens "
                          f"into a sequence's own table row (at most {columns} x block_size {block_size})")
-    room = (columns - table_offset) * block_size  # tokens the table row can still address
-    if bool((lens > room).any()):
-        q = first_bad(lens > room)
+    # ceil(len / block_size) without len + block_size - 1, and compared with the columns left rather than
+    # multiplied out into tokens: neither can overflow int64
+    blocks_needed = torch.div(lens, block_size, rounding_mode="floor") + (lens % block_size != 0).long()
+    too_long = blocks_needed > columns - table_offset
+    if bool(too_long.any()):
+        q = first_bad(too_long)
         n, first = int(lens[q]), int(table_offset[q])  # Python ints: no overflow in the message
         raise ValueError(f"mla.{op}: sequence {q} needs block-table columns {first}.."
                          f"{first + -(-n // block_size) - 1} ({n} tokens from seq_offset "
                          f"{0 if offsets is None else int(offsets[q])}) but block_tables has only {columns} "
-                         f"columns; seq_lens may hold at most {int(room[q])} tokens for it")
-    total = int(lens.sum())  # each length fits its table row now, so the sum cannot overflow
+                         f"columns; seq_lens may hold at most {(columns - first) * block_size} tokens for it")
+    total = sum(lens.tolist())  # Python ints: a sum over rows of an expanded table cannot wrap
     if total > out_rows:
         raise ValueError(f"mla.{op}: the sequences hold {total} tokens but key/value have only {out_rows} rows; "
                          f"allocate outputs of at least {total} rows (mla_ops.gather_pa_kv_cache does this)")
-    blocks_needed = torch.div(lens + block_size - 1, block_size, rounding_mode="floor")
     last_col = table_offset + blocks_needed
     cols = torch.arange(columns)
     used = (cols >= table_offset[:, None]) & (cols < last_col[:, None])

@@ -583,6 +583,8 @@ def _scatter_errors():
         ErrorInput("key-rank", call(key=torch.randn(3, 8)), "key", rf"{op}: key must be 3-D"),
         ErrorInput("slot-outside", call(slot_mapping=torch.tensor([0, 16, -1])), "slot_mapping",
                    r"slot_mapping\[1\] = 16 is outside the cache \(num_blocks \* block_size = 16 slots\)", ValueError),
+        ErrorInput("slot-near-2**63", call(slot_mapping=torch.tensor([0, -1, 2**63 - 1])), "slot_mapping",
+                   r"slot_mapping\[2\] = 9223372036854775807 is outside the cache", ValueError),
     ]
 
 
@@ -648,6 +650,14 @@ def _decode_errors():
                    r"seq_lens\[1\] = 9 exceeds the block table's capacity", ValueError),
         ErrorInput("block-id", call(block_tables=torch.tensor([[0, 7], [1, 2]], dtype=torch.int32)), "block_tables",
                    r"block_tables\[0, 1\] = 7 is used by sequence 0 but is not a block id in \[0, 6\)", ValueError),
+        # values near 2**63: refused, never wrapped into range by the length / block arithmetic
+        ErrorInput("length-near-2**63", call(seq_lens=torch.tensor([5, 2**63 - 1])), "seq_lens",
+                   r"seq_lens\[1\] = 9223372036854775807 exceeds the block table's capacity", ValueError),
+        ErrorInput("block-id-near-2**63", call(block_tables=torch.tensor([[0, 2**63 - 1], [1, 2]])), "block_tables",
+                   r"block_tables\[0, 1\] = 9223372036854775807 is used by sequence 0 but is not a block id",
+                   ValueError),
+        ErrorInput("block-id-near--2**63", call(block_tables=torch.tensor([[0, 1], [-(2**63), 2]])), "block_tables",
+                   r"block_tables\[1, 0\] = -9223372036854775808 is used by sequence 1", ValueError),
     ]
 
 

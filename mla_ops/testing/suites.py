@@ -20,7 +20,7 @@ import dataclasses
 import math
 import os
 import re
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 from torch import Tensor
@@ -87,6 +87,8 @@ class Variant:
     _reasons: Callable[[str, Sample], list[str]]
     _run: Callable[[str, Sample], tuple[Tensor, ...]]
     _has_kernel: Callable[[str], bool]
+    # the context in which `torch.ops.mla.<op>` is served by this variant (None: it calls a kernel directly)
+    serving: Optional[Callable[[], ContextManager]] = None
 
     def has_kernel(self, op: str) -> bool:
         """Whether the variant has code for `op` at all (what it can take is `not_supported_reasons`)."""
@@ -127,12 +129,18 @@ def backend_variant(name: str, *, label: Optional[str] = None, isa: Optional[str
         with _environment("MLA_OPS_NATIVE_ISA", isa) if isa else contextlib.nullcontext():
             return backends.BACKENDS[name].not_supported_reasons(op, *sample.args, **sample.kwargs)
 
-    def run(op, sample):
-        with _environment("MLA_OPS_NATIVE_ISA", isa) if isa else contextlib.nullcontext():
-            with settings.use_backend(name):
-                return call(op, sample)
+    @contextlib.contextmanager
+    def serving():
+        from ..backends import cpu_native
 
-    return Variant(label or name, name, reasons, run, lambda op: op in backends.BACKENDS[name].kernels)
+        with cpu_native.use_isa(isa) if isa else contextlib.nullcontext(), settings.use_backend(name):
+            yield
+
+    def run(op, sample):
+        with serving():
+            return call(op, sample)
+
+    return Variant(label or name, name, reasons, run, lambda op: op in backends.BACKENDS[name].kernels, serving)
 
 
 def path_variant(path: str) -> Variant:

@@ -24,15 +24,21 @@ _TOKENIZER_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "built
 
 
 def tiny_deepseek_v2_config(num_layers: int = 2, hidden: int = 256, heads: int = 4, max_positions: int = 8192,
-                            moe: bool = False) -> dict:
-    """config.json for a DeepSeek-V2 with V2-Lite's attention geometry (L 512, R 64, q_lora_rank None,
-    YaRN like V2-Lite) and small everything else. `moe=True` makes layers >= 1 MoE (4 experts, top-2)."""
+                            moe: bool = False, qk_nope_head_dim: int = 64, v_head_dim: int = 64,
+                            intermediate: int | None = None) -> dict:
+    """config.json for a DeepSeek-V2 with V2-Lite's latent geometry (L 512, R 64, q_lora_rank None,
+    YaRN like V2-Lite) and small everything else. `moe=True` makes layers >= 1 MoE (4 experts, top-2).
+
+    The defaults are the small test model (hidden 256, 4 heads, per-head nope / v dims 64). V2-Lite's own
+    attention is `hidden=2048, heads=16, qk_nope_head_dim=128, v_head_dim=128`
+    (:data:`V2_LITE_ATTENTION`). `intermediate`: the dense MLP's width (default 2 * hidden)."""
     return {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-        "vocab_size": 1024, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+        "vocab_size": 1024, "hidden_size": hidden,
+        "intermediate_size": 2 * hidden if intermediate is None else intermediate,
         "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-        "q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
-        "v_head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": qk_nope_head_dim,
+        "v_head_dim": v_head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-6,
         "first_k_dense_replace": 1 if moe else num_layers, "moe_layer_freq": 1,
         # transformers' config insists on ints here; dense layers come from first_k_dense_replace
         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
@@ -44,6 +50,12 @@ def tiny_deepseek_v2_config(num_layers: int = 2, hidden: int = 256, heads: int =
         "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
         "pad_token_id": 2, "torch_dtype": "float32",
     }
+
+
+# DeepSeek-V2-Lite's attention dimensions (its config.json), as keyword arguments of
+# tiny_deepseek_v2_config / write_checkpoint: with kv_lora_rank 512, qk_rope_head_dim 64 and q_lora_rank None,
+# which every config here has.
+V2_LITE_ATTENTION = {"hidden": 2048, "heads": 16, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
 def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -95,7 +107,8 @@ def write_checkpoint(path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                      **config_overrides) -> pathlib.Path:
     """Write config.json, model.safetensors and the built-in tokenizer into `path` (created).
 
-    `config_overrides` go to :func:`tiny_deepseek_v2_config` (num_layers, hidden, heads, max_positions, moe).
+    `config_overrides` go to :func:`tiny_deepseek_v2_config` (num_layers, hidden, heads, max_positions, moe,
+    qk_nope_head_dim, v_head_dim, intermediate).
     Returns the directory, loadable by `vllm.LLM(model=str(path))`.
     """
     from safetensors.torch import save_file

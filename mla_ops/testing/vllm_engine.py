@@ -32,9 +32,12 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     worker while the jobs run and report the dispatcher calls of `mla::*` and vLLM's `_C::*` ops
     (`op_counts`), counted by torch.profiler inside the engine, independently of the plugin.
 
-    Each job: `{"prompts": [[token ids], ...], "max_tokens": int, "timed": bool (optional)}`; greedy,
-    `ignore_eos` (every prompt generates exactly max_tokens), `logprobs` top entries per step. A timed job
-    is run twice (warm-up, then measured) by stepping the engine and timing each step: `step_s` (all
+    Each job: `{"prompts": [[token ids], ...], "max_tokens": int, "timed": bool (optional), "warmup":
+    "full" | "short" (optional, timed jobs)}`; greedy, `ignore_eos` (every prompt generates exactly
+    max_tokens), `logprobs` top entries per step. A timed job is run twice (warm-up, then measured) by
+    stepping the engine and timing each step. The warm-up runs the same prompts ("full", the default) or
+    their first 64 tokens ("short": the same batch and decode steps, so the decode step's first-call costs
+    at that batch are paid, without a second long prefill). Measured: `step_s` (all
     steps), `prefill_s` (the steps up to the first full-batch decode step: prefills and first tokens),
     `decode_step_s` (sorted times of the full-batch decode steps), `decode_s` (their sum),
     `decode_step_median_s`, `total_s`, `mqa_call_s` (sorted times of every decode attention call,
@@ -183,6 +186,8 @@ def _stepped(llm, prompts, params) -> tuple[list[dict], list[float], list[bool]]
 
 
 _MQA_TIMES: list[float] = []
+# prompt length of a "short" warm-up: a few cache blocks (16 tokens each on CPU_MLA)
+_SHORT_WARMUP_TOKENS = 64
 
 
 def _time_forward_mqa() -> None:
@@ -236,7 +241,10 @@ def _child(spec_path: str, out_path: str) -> None:
 
         row = {}
         if job.get("timed"):
-            _stepped(llm, prompts, params(job["max_tokens"]))  # warm-up: first-call costs of every shape
+            warmup = prompts
+            if job.get("warmup", "full") == "short":
+                warmup = [TokensPrompt(prompt_token_ids=p[:_SHORT_WARMUP_TOKENS]) for p in job["prompts"]]
+            _stepped(llm, warmup, params(job["max_tokens"]))  # warm-up: first-call costs of every shape
             _MQA_TIMES.clear()
             row["outputs"], row["step_s"], flags = _stepped(llm, prompts, params(job["max_tokens"]))
             row["mqa_call_s"] = sorted(_MQA_TIMES)

@@ -1,31 +1,18 @@
-// Python bindings of the native CPU kernels: plain functions (no dispatcher registration); the
-// Python layer (mla_ops/native_cpu.py) runs the metadata checks and binds them to torch.ops.mla.
+// Python module of one ISA build of the native CPU kernels: _C_avx512 / _C_avx2 / _C_default
+// (TORCH_EXTENSION_NAME). Calls reach the kernels two ways:
+// * through the dispatcher, once the backend layer has bound them (`bind`, registration.cpp):
+//   `torch.ops.mla.<op>` on CPU tensors runs C++ only;
+// * directly, with the op's own argument names and defaults (tests and benchmarks that pick a build,
+//   and the backend layer's Python kernels): the same checks and kernels, a call the kernel cannot
+//   serve refused with NotImplementedError naming the reasons.
 //
-// Module name: _C_avx512 / _C_avx2 / _C_default (TORCH_EXTENSION_NAME, one build per ISA).
-// Inputs are assumed metadata-valid (ranks, sizes, dtypes float32/float16/bfloat16, CPU device);
-// index VALUES are checked here.
-//
-//   decode_attention(q_latent [B,N,L], q_pe [B,N,R], key_cache [NB,bs,1,L], value_cache [NB,bs,1,R],
-//                    block_tables [B,maxb] int32|int64, seq_lens [B] int32|int64, softmax_scale: float,
-//                    validate: bool = True) -> Tensor [B,N,L] | None
-//       None (only with validate=True): a length outside [1, maxb*bs] or a used block id outside
-//       [0, NB); nothing computed. validate=False: lengths clamped to [0, maxb*bs], 0 -> zero row,
-//       out-of-range block ids skipped.
-//   kv_prolog(hidden [B,S,H], kv_a_weight [L+R,H], kv_a_bias [L+R] | None, kv_norm_weight [L],
-//             kv_b_weight [N*(P+V),L], cos, sin [B|1,S,R/2] | [S,R/2], num_heads: int,
-//             qk_nope_head_dim: int, v_head_dim: int, eps: float, interleaved: bool)
-//       -> (k_nope [B,N,S,P], value [B,N,S,V], k_pe [B,1,S,R])
-//   latent_kv_prolog(hidden, kv_a_weight, kv_a_bias | None, kv_norm_weight, cos, sin, eps: float,
-//                    interleaved: bool) -> (latent [B,S,L], k_pe [B,S,R])
-//   gather_pa_kv_cache(key_cache [NB,bs,Hk,Dk], value_cache [NB,bs,Hv,Dv], block_tables [Q,cols],
-//                      seq_lens [Q] | [Q+1] (cumsum), key [T,Hk,Dk] (out), value [T,Hv,Dv] (out),
-//                      seq_offset [Q] | None, is_seq_lens_cumsum: bool) -> int (0 ok, 1 bad value)
-//   scatter_pa_kv_cache(key [T,Hk,Dk], value [T,Hv,Dv], key_cache (out), value_cache (out),
-//                       slot_mapping [T]) -> int (0 ok, 1 bad value; negative slots are padding)
-//   isa() -> str: the CPU_CAPABILITY this module was compiled for.
+// `<op>_reasons(...)`: why the kernel cannot serve a call (a list of sentences; empty: it can), for
+// `mla_ops.explain`. They assume the op's metadata check passed. The GIL is released around every
+// kernel: they only touch tensors (and may run for ms).
 #include <torch/csrc/utils/pybind.h>  // pybind11 + the at::Tensor caster (lighter than torch/extension.h)
 
 #include "ops.h"
+#include "registration.h"
 
 #define MLA_STR2(x) #x
 #define MLA_STR(x) MLA_STR2(x)
@@ -33,22 +20,53 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using namespace mla_native;
+  using py::arg;
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.doc() = "mla-ops native CPU kernels (" MLA_STR(CPU_CAPABILITY) " build)";
   m.def("isa", [] { return std::string(MLA_STR(CPU_CAPABILITY)); });
-  // The GIL is released around every kernel: they only touch tensors (and may run for ms).
-  m.def("decode_attention", &decode_attention, py::arg("q_latent"), py::arg("q_pe"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("softmax_scale"),
-        py::arg("validate") = true, py::call_guard<py::gil_scoped_release>());
-  m.def("kv_prolog", &kv_prolog, py::arg("hidden"), py::arg("kv_a_weight"), py::arg("kv_a_bias"),
-        py::arg("kv_norm_weight"), py::arg("kv_b_weight"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
-        py::arg("qk_nope_head_dim"), py::arg("v_head_dim"), py::arg("eps"), py::arg("interleaved"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("latent_kv_prolog", &latent_kv_prolog, py::arg("hidden"), py::arg("kv_a_weight"), py::arg("kv_a_bias"),
-        py::arg("kv_norm_weight"), py::arg("cos"), py::arg("sin"), py::arg("eps"), py::arg("interleaved"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("gather_pa_kv_cache", &gather_pa_kv_cache, py::arg("key_cache"), py::arg("value_cache"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("key"), py::arg("value"), py::arg("seq_offset"),
-        py::arg("is_seq_lens_cumsum"), py::call_guard<py::gil_scoped_release>());
-  m.def("scatter_pa_kv_cache", &scatter_pa_kv_cache, py::arg("key"), py::arg("value"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
+
+  py::class_<OpRequest>(m, "OpRequest")
+      .def(py::init<std::string, bool, std::string, std::string>(), arg("op"), arg("demand"), arg("refusal_head"),
+           arg("refusal_tail"))
+      .def_readonly("op", &OpRequest::op)
+      .def_readonly("demand", &OpRequest::demand);
+  m.def("dispatcher_ops", &dispatcher_ops);
+  m.def("bind", &bind, arg("requests"));
+  m.def("unbind", &unbind);
+  m.def("registration_file", &registration_file);
+
+  m.def("mla_decode_attention", &call_decode_attention, arg("q_latent"), arg("q_pe"), arg("key_cache"),
+        arg("value_cache"), arg("block_tables"), arg("seq_lens"), arg("softmax_scale"), py::kw_only(),
+        arg("validate_values") = true, no_gil);
+  m.def("kv_prolog", &call_kv_prolog, arg("hidden_states"), arg("kv_a_weight"), arg("kv_a_bias"),
+        arg("kv_norm_weight"), arg("kv_b_weight"), arg("cos"), arg("sin"), py::kw_only(), arg("num_heads"),
+        arg("qk_nope_head_dim"), arg("v_head_dim"), arg("eps") = 1e-6, arg("rope_layout") = "interleaved",
+        arg("rope_compute_dtype") = "float32", no_gil);
+  m.def("latent_kv_prolog", &call_latent_kv_prolog, arg("hidden_states"), arg("kv_a_weight"), arg("kv_a_bias"),
+        arg("kv_norm_weight"), arg("cos"), arg("sin"), py::kw_only(), arg("eps") = 1e-6,
+        arg("rope_layout") = "interleaved", arg("rope_compute_dtype") = "float32", no_gil);
+  m.def("gather_pa_kv_cache", &call_gather_pa_kv_cache, arg("key_cache"), arg("value_cache"), arg("block_tables"),
+        arg("seq_lens"), arg("key"), arg("value"), py::kw_only(), arg("seq_offset") = py::none(),
+        arg("is_seq_lens_cumsum") = false, no_gil);
+  m.def("gather_pa_kv_cache_functional", &call_gather_pa_kv_cache_functional, arg("key_cache"), arg("value_cache"),
+        arg("block_tables"), arg("seq_lens"), arg("key"), arg("value"), py::kw_only(), arg("seq_offset") = py::none(),
+        arg("is_seq_lens_cumsum") = false, no_gil);
+  m.def("scatter_pa_kv_cache", &call_scatter_pa_kv_cache, arg("key"), arg("value"), arg("key_cache"),
+        arg("value_cache"), arg("slot_mapping"), no_gil);
+
+  m.def(
+      "mla_decode_attention_reasons",
+      [](const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+        return decode_reasons(q_latent, key_cache, value_cache);
+      },
+      arg("q_latent"), arg("key_cache"), arg("value_cache"));
+  // kv_prolog and latent_kv_prolog: cos and sin are the last two positional arguments
+  m.def(
+      "prolog_reasons",
+      [](const at::Tensor& hidden_states, const at::Tensor& cos, const at::Tensor& sin, const std::string& rope_layout,
+         const std::string& rope_compute_dtype) {
+        return prolog_reasons(hidden_states, cos, sin, rope_layout, rope_compute_dtype);
+      },
+      arg("hidden_states"), arg("cos"), arg("sin"), arg("rope_layout") = "interleaved",
+      arg("rope_compute_dtype") = "float32");
 }

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string_view>
 #include <tuple>
 
 namespace mla_native {
@@ -11,8 +12,8 @@ inline namespace CPU_CAPABILITY {
 
 // q_latent [B, N, L], q_pe [B, N, R]; key_cache [NB, bs, 1, L], value_cache [NB, bs, 1, R] (any
 // strides); block_tables [B, maxb] and seq_lens [B] int32/int64 -> o_latent [B, N, L] in q's dtype.
-// validate=true: returns an undefined tensor (None in Python) when a length is outside
-// [1, maxb * bs] or a used block id is outside [0, NB), before computing anything.
+// validate=true: raises ValueError (the message of the Python check_decode_values) when a length is
+// outside [1, maxb * bs] or a used block id is outside [0, NB), before computing anything.
 // validate=false: lengths are clamped into [0, maxb * bs] (0 -> a zero row) and tokens whose
 // block id is out of range are skipped (never read).
 at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
@@ -31,14 +32,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog(
     const at::Tensor& kv_norm_weight, const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin,
     int64_t num_heads, int64_t qk_nope_head_dim, int64_t v_head_dim, double eps, bool interleaved);
 
-// Returns 0 when the values are valid and the copy was done, 1 when a value is invalid (nothing
-// written; the caller formats the error).
-int64_t gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& key,
-                           at::Tensor& value, const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum);
+// Index values are validated before the first byte is written; an invalid one raises ValueError
+// with the message of the Python value check (check_gather_values / check_scatter_values).
+void gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const at::Tensor& key, const at::Tensor& value,
+                        const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum,
+                        std::string_view op = "gather_pa_kv_cache");
 
-int64_t scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                            at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+// Metadata checks (arguments.cpp): the C++ twins of the ops' Python checks, same messages.
+void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, double softmax_scale);
+void check_latent_kv_prolog_args(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
+                                 const std::optional<at::Tensor>& kv_a_bias, const at::Tensor& kv_norm_weight,
+                                 const at::Tensor& cos, const at::Tensor& sin, double eps,
+                                 std::string_view rope_layout, std::string_view rope_compute_dtype);
+void check_kv_prolog_args(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
+                          const std::optional<at::Tensor>& kv_a_bias, const at::Tensor& kv_norm_weight,
+                          const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin,
+                          int64_t num_heads, int64_t qk_nope_head_dim, int64_t v_head_dim, double eps,
+                          std::string_view rope_layout, std::string_view rope_compute_dtype);
+void check_scatter_pa_kv_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void check_gather_pa_kv_cache_args(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& key,
+                                   const at::Tensor& value, const std::optional<at::Tensor>& seq_offset,
+                                   bool is_seq_lens_cumsum, bool functional);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace mla_native

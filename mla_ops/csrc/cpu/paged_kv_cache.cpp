@@ -9,8 +9,11 @@
 // block of a dense cache into dense rows) is one memcpy of the run. Work is split over blocks
 // (gather) or tokens (scatter) with at::parallel_for; small calls run inline on the caller.
 //
-// All index values are validated before the first byte is written; on an invalid value the call
-// returns 1 and writes nothing (the Python wrapper then raises the descriptive ValueError).
+// All index values are validated before the first byte is written; an invalid value raises the
+// ValueError of the Python value checks (same order, same message) and writes nothing. The checks
+// use 128-bit arithmetic where int64 values are added or multiplied: a length or offset near 2**63
+// must be refused, never wrap into an accepted value.
+#include "checks.h"
 #include "common.h"
 
 #include <algorithm>
@@ -122,10 +125,9 @@ inline int64_t grain_for(int64_t bytes_per_item) {
 
 }  // namespace
 
-int64_t gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& key,
-                           at::Tensor& value, const std::optional<at::Tensor>& seq_offset,
-                           bool is_seq_lens_cumsum) {
+void gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const at::Tensor& key, const at::Tensor& value,
+                        const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum, std::string_view op) {
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous(), lens_t = seq_lens.contiguous();
   const int64_t Q = tables.size(0), columns = tables.size(1);
@@ -133,45 +135,74 @@ int64_t gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_
   std::optional<at::Tensor> offs_t;
   if (seq_offset.has_value()) offs_t = seq_offset->contiguous();
 
-  // Validate everything first (the same conditions as the Python value checks).
+  // Validate everything first, in the order of the Python check_gather_values.
   std::vector<int64_t> starts(Q), lens(Q), first_col(Q, 0), first_block(Q + 1, 0);
-  int64_t total = 0;
   if (is_seq_lens_cumsum) {
-    if (lens_t.numel() > 0 && lens_v[0] != 0) return 1;
+    TORCH_CHECK_VALUE(lens_t.numel() == 0 || lens_v[0] == 0, prefix(op),
+                      "cumulative seq_lens must start at 0, got seq_lens[0] = ", lens_v[0],
+                      "; prepend a 0 or pass per-sequence lengths with is_seq_lens_cumsum=False");
+    for (int64_t q = 0; q < Q; ++q) {
+      TORCH_CHECK_VALUE(lens_v[q + 1] >= lens_v[q], prefix(op), "cumulative seq_lens must never decrease, but seq_lens[",
+                        q + 1, "] = ", lens_v[q + 1], " < seq_lens[", q, "] = ", lens_v[q]);
+    }
+    // from 0 and non-decreasing: every entry is >= 0, so the differences cannot overflow
     for (int64_t q = 0; q < Q; ++q) {
       starts[q] = lens_v[q];
       lens[q] = lens_v[q + 1] - lens_v[q];
-      if (lens[q] < 0) return 1;
     }
-    total = Q > 0 ? lens_v[Q] : 0;
   } else {
     for (int64_t q = 0; q < Q; ++q) {
       lens[q] = lens_v[q];
-      if (lens[q] < 0) return 1;
-      starts[q] = total;
-      total += lens[q];
+      TORCH_CHECK_VALUE(lens[q] >= 0, prefix(op), "seq_lens[", q, "] = ", lens[q], " is negative; lengths must be >= 0");
     }
   }
   if (offs_t.has_value()) {
     const IndexView offs(*offs_t);
     for (int64_t q = 0; q < Q; ++q) {
-      const int64_t o = offs[q];
-      if (o < 0 || o % bs != 0) return 1;
-      first_col[q] = o / bs;
+      TORCH_CHECK_VALUE(offs[q] >= 0, prefix(op), "seq_offset[", q, "] = ", offs[q],
+                        " is negative; offsets must be >= 0");
+    }
+    for (int64_t q = 0; q < Q; ++q) {
+      TORCH_CHECK_VALUE(offs[q] % bs == 0, prefix(op), "seq_offset[", q, "] = ", offs[q],
+                        " is not a multiple of block_size ", bs, "; offsets select whole block-table columns");
+      first_col[q] = offs[q] / bs;
+    }
+    for (int64_t q = 0; q < Q; ++q) {
+      TORCH_CHECK_VALUE(first_col[q] <= columns, prefix(op), "seq_offset[", q, "] = ", offs[q],
+                        " starts at block-table column ", first_col[q], " but block_tables has only ", columns,
+                        " columns; offsets count tokens into a sequence's own table row (at most ", columns,
+                        " x block_size ", bs, ")");
     }
   }
-  if (total > key.size(0)) return 1;
+  __int128 total = 0;
   for (int64_t q = 0; q < Q; ++q) {
-    const int64_t blocks = (lens[q] + bs - 1) / bs;
-    if (first_col[q] + blocks > columns) return 1;
-    for (int64_t j = 0; j < blocks; ++j) {
-      const int64_t id = table[q * columns + first_col[q] + j];
-      if (id < 0 || id >= NB) return 1;
+    // ceil(len / bs) without len + bs - 1 (which overflows for a length near 2**63)
+    const int64_t blocks = lens[q] / bs + (lens[q] % bs != 0);
+    if (blocks > columns - first_col[q]) {
+      const __int128 room = static_cast<__int128>(columns - first_col[q]) * bs;
+      TORCH_CHECK_VALUE(false, prefix(op), "sequence ", q, " needs block-table columns ", first_col[q], "..",
+                        py_int(static_cast<__int128>(first_col[q]) + blocks - 1), " (", lens[q],
+                        " tokens from seq_offset ", offs_t.has_value() ? IndexView(*offs_t)[q] : 0,
+                        ") but block_tables has only ", columns, " columns; seq_lens may hold at most ", py_int(room),
+                        " tokens for it");
+    }
+    if (!is_seq_lens_cumsum) starts[q] = static_cast<int64_t>(std::min<__int128>(total, INT64_MAX));
+    total += lens[q];
+  }
+  TORCH_CHECK_VALUE(total <= key.size(0), prefix(op), "the sequences hold ", py_int(total),
+                    " tokens but key/value have only ", key.size(0), " rows; allocate outputs of at least ",
+                    py_int(total), " rows (mla_ops.gather_pa_kv_cache does this)");
+  for (int64_t q = 0; q < Q; ++q) {
+    const int64_t blocks = lens[q] / bs + (lens[q] % bs != 0);
+    for (int64_t j = first_col[q]; j < first_col[q] + blocks; ++j) {
+      const int64_t id = table[q * columns + j];
+      TORCH_CHECK_VALUE(id >= 0 && id < NB, prefix(op), "block_tables[", q, ", ", j, "] = ", id,
+                        " is used by sequence ", q, " but is not a block id in [0, ", NB, ")");
     }
     first_block[q + 1] = first_block[q] + blocks;
   }
   const int64_t num_blocks_used = first_block[Q];
-  if (total == 0) return 0;
+  if (total == 0) return;
 
   const RowLayout kc = row_layout(key_cache, 2), vc = row_layout(value_cache, 2);
   const RowLayout ko = row_layout(key, 1), vo = row_layout(value, 1);
@@ -214,19 +245,22 @@ int64_t gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_
     }
     stream_fence(stream);
   });
-  return 0;
 }
 
-int64_t scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
+  // the caches are writable (no stride-0 dim), so their slot count fits in memory, hence in int64
   const int64_t num_slots = NB * bs;
   const at::Tensor slots_t = slot_mapping.contiguous();
   const IndexView slots(slots_t);
   const int64_t T = key.size(0);
-  for (int64_t i = 0; i < T; ++i)
-    if (slots[i] >= num_slots) return 1;  // negative = padding, skipped
-  if (T == 0) return 0;
+  for (int64_t i = 0; i < T; ++i) {  // negative = padding, skipped
+    TORCH_CHECK_VALUE(slots[i] < num_slots, prefix("scatter_pa_kv_cache"), "slot_mapping[", i, "] = ", slots[i],
+                      " is outside the cache (num_blocks * block_size = ", num_slots,
+                      " slots); use a negative slot for padding");
+  }
+  if (T == 0) return;
 
   const RowLayout kc = row_layout(key_cache, 2), vc = row_layout(value_cache, 2);
   const RowLayout ki = row_layout(key, 1), vi = row_layout(value, 1);
@@ -263,7 +297,6 @@ int64_t scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, at::
     }
     stream_fence(stream);
   });
-  return 0;
 }
 
 }  // namespace CPU_CAPABILITY

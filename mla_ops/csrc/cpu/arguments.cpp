@@ -1,0 +1,252 @@
+// The metadata checks of the ops the native kernels serve: each function is the C++ twin of the
+// Python check named in its comment (same conditions, same order, same messages; see checks.h).
+// They look at ranks, sizes, dtypes and devices only; index values are the kernels' own checks.
+#include "checks.h"
+#include "ops.h"
+
+namespace mla_native {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+constexpr const char* kCacheLayout = "[num_blocks, block_size, heads, dim]";
+
+// mla_ops/ops/_paged.py: check_cache_pair
+void check_cache_pair(std::string_view op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  check_rank(op, "key_cache", key_cache, 4, kCacheLayout);
+  check_rank(op, "value_cache", value_cache, 4, kCacheLayout);
+  check_size(op, "value_cache", value_cache.size(0), key_cache.size(0), "num_blocks (dim 0) must equal key_cache's");
+  check_size(op, "value_cache", value_cache.size(1), key_cache.size(1), "block_size (dim 1) must equal key_cache's");
+  TORCH_CHECK(key_cache.size(0) >= 1, prefix(op), "key_cache needs at least one block (dim 0), got 0");
+  TORCH_CHECK(key_cache.size(1) >= 1, prefix(op), "block_size (key_cache dim 1) must be >= 1, got 0");
+}
+
+// mla_ops/ops/_paged.py: check_token_tensor
+void check_token_tensor(std::string_view op, std::string_view name, const at::Tensor& t, std::string_view cache_name,
+                        const at::Tensor& cache) {
+  check_rank(op, name, t, 3, "[tokens, heads, dim]");
+  check_size(op, name, t.size(1), cache.size(2), "heads (dim 1) must equal " + std::string(cache_name) + ".shape[2]");
+  check_size(op, name, t.size(2), cache.size(3),
+             "head dim (dim 2) must equal " + std::string(cache_name) + ".shape[3]");
+  check_same_dtype(op, name, t, cache_name, cache);
+}
+
+// mla_ops/_checks.py: check_rope_tables (batch: the batch size of the rotated tensor)
+void check_rope_tables(std::string_view op, std::string_view x_name, const at::Tensor& cos, const at::Tensor& sin,
+                       int64_t rope_dim, int64_t seq_len, int64_t batch) {
+  for (const auto& [name, t] : {NamedTensor{"cos", &cos}, NamedTensor{"sin", &sin}}) {
+    check_float(op, name, *t);
+    TORCH_CHECK(t->dim() == 2 || t->dim() == 3, prefix(op), name,
+                " must be [B, S, R/2] or [S, R/2] (one value per rotation pair, e.g. freqs_cis.real / .imag), got "
+                "shape ",
+                py_shape(*t));
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes(), prefix(op), "cos and sin must have the same shape, got ", py_shape(cos),
+              " and ", py_shape(sin));
+  TORCH_CHECK(rope_dim % 2 == 0, prefix(op), "the rotary dim of ", x_name, " must be even (rotation pairs), got ",
+              rope_dim);
+  check_size(op, "cos", cos.size(-1), rope_dim / 2, "last dim must be half the rotary dim of " + std::string(x_name));
+  check_size(op, "cos", cos.size(-2), seq_len,
+             "sequence dim must equal the sequence length of " + std::string(x_name));
+  if (cos.dim() == 3) {
+    TORCH_CHECK(cos.size(0) == batch || cos.size(0) == 1, prefix(op), "cos batch dim must be 1 or ", batch,
+                " (the batch of ", x_name, "), got ", cos.size(0));
+  }
+}
+
+// mla_ops/_checks.py: check_layout / check_rope_compute_dtype
+void check_rope_options(std::string_view op, std::string_view rope_layout, std::string_view rope_compute_dtype) {
+  TORCH_CHECK(rope_layout == "interleaved" || rope_layout == "half" || rope_layout == "neox", prefix(op),
+              "rope_layout must be one of ", py_repr_tuple({"interleaved", "half", "neox"}), ", got ",
+              py_repr(rope_layout));
+  TORCH_CHECK(rope_compute_dtype == "float32" || rope_compute_dtype == "activation", prefix(op),
+              "rope_compute_dtype must be one of ", py_repr_tuple({"float32", "activation"}),
+              " (\"float32\": rotate in fp32 and round once; \"activation\": round like x*cos + rotate_half(x)*sin in "
+              "x's dtype), got ",
+              py_repr(rope_compute_dtype));
+}
+
+// mla_ops/ops/kv_prolog.py: _check_stage1_args
+void check_stage1_args(std::string_view op, const at::Tensor& hidden, const at::Tensor& kv_a_weight,
+                       const std::optional<at::Tensor>& kv_a_bias, const at::Tensor& kv_norm_weight,
+                       const at::Tensor& cos, const at::Tensor& sin, double eps, std::string_view rope_layout,
+                       std::string_view rope_compute_dtype) {
+  check_rope_options(op, rope_layout, rope_compute_dtype);
+  check_float(op, "hidden_states", hidden);
+  check_rank(op, "hidden_states", hidden, 3, "[batch, seq, hidden]");
+  check_rank(op, "kv_a_weight", kv_a_weight, 2, "[kv_lora_rank + rope_dim, hidden] (nn.Linear layout)");
+  check_rank(op, "kv_norm_weight", kv_norm_weight, 1, "[kv_lora_rank]");
+  check_same_dtype(op, "kv_a_weight", kv_a_weight, "hidden_states", hidden);
+  check_same_dtype(op, "kv_norm_weight", kv_norm_weight, "hidden_states", hidden);
+  check_size(op, "kv_a_weight", kv_a_weight.size(1), hidden.size(2),
+             "in_features (dim 1) must equal the hidden size of hidden_states");
+  const int64_t rows = kv_a_weight.size(0), lora_rank = kv_norm_weight.size(0);
+  const int64_t rope_dim = rows - lora_rank;  // sizes are < 2**62: no overflow
+  TORCH_CHECK(rope_dim > 0, prefix(op), "kv_a_weight has ", rows, " output rows, which must be kv_lora_rank (",
+              lora_rank, ", the size of kv_norm_weight) + rope_dim (> 0)");
+  const bool tables_ranked = cos.dim() == 2 || cos.dim() == 3;
+  TORCH_CHECK(rope_dim % 2 == 0 || !tables_ranked, prefix(op), "kv_norm_weight has ", lora_rank,
+              " entries, but kv_a_weight's ", rows, " output rows minus the rotary dim ", 2 * cos.size(-1),
+              " (twice the last dim of cos) leave kv_lora_rank = ", rows - 2 * cos.size(-1),
+              "; pass kv_a_layernorm.weight of that size");
+  if (kv_a_bias.has_value()) {
+    check_rank(op, "kv_a_bias", *kv_a_bias, 1, "[kv_lora_rank + rope_dim]");
+    check_size(op, "kv_a_bias", kv_a_bias->size(0), rows, "length must equal kv_a_weight's output rows");
+    check_same_dtype(op, "kv_a_bias", *kv_a_bias, "hidden_states", hidden);
+  }
+  check_rope_tables(op, "k_pe", cos, sin, rope_dim, hidden.size(1), hidden.size(0));
+  TORCH_CHECK(eps >= 0.0, prefix(op), "eps must be >= 0, got ", py_float(eps));
+  check_same_device(op, {{"hidden_states", &hidden},
+                         {"kv_a_weight", &kv_a_weight},
+                         {"kv_a_bias", kv_a_bias.has_value() ? &*kv_a_bias : nullptr},
+                         {"kv_norm_weight", &kv_norm_weight},
+                         {"cos", &cos},
+                         {"sin", &sin}});
+}
+
+// mla_ops/ops/gather_pa_kv_cache.py: _check_gather_args
+void check_gather_args(std::string_view op, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& key,
+                       const at::Tensor& value, const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum,
+                       bool writes_outputs) {
+  check_cache_pair(op, key_cache, value_cache);
+  check_token_tensor(op, "key", key, "key_cache", key_cache);
+  check_token_tensor(op, "value", value, "value_cache", value_cache);
+  check_size(op, "value", value.size(0), key.size(0), "row count (dim 0) must equal key's");
+  check_index(op, "block_tables", block_tables);
+  check_rank(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
+  check_index(op, "seq_lens", seq_lens);
+  check_rank(op, "seq_lens", seq_lens, 1,
+             "[num_seqs + 1] (cumulative, is_seq_lens_cumsum=True) or [num_seqs] (lengths)");
+  const int64_t num_seqs = block_tables.size(0);
+  if (is_seq_lens_cumsum) {
+    check_size(op, "seq_lens", seq_lens.size(0), num_seqs + 1,
+               "must have num_seqs + 1 entries (a cumulative sum starting at 0) when is_seq_lens_cumsum=True; pass "
+               "per-sequence lengths with is_seq_lens_cumsum=False");
+  } else {
+    check_size(op, "seq_lens", seq_lens.size(0), num_seqs,
+               "must have one length per sequence (block_tables rows) when is_seq_lens_cumsum=False; pass a "
+               "cumulative [num_seqs + 1] tensor with is_seq_lens_cumsum=True");
+  }
+  if (seq_offset.has_value()) {
+    check_index(op, "seq_offset", *seq_offset);
+    check_rank(op, "seq_offset", *seq_offset, 1, "[num_seqs]");
+    check_size(op, "seq_offset", seq_offset->size(0), num_seqs, "needs one offset per sequence");
+  }
+  check_same_device(op, {{"key_cache", &key_cache},
+                         {"value_cache", &value_cache},
+                         {"block_tables", &block_tables},
+                         {"seq_lens", &seq_lens},
+                         {"key", &key},
+                         {"value", &value},
+                         {"seq_offset", seq_offset.has_value() ? &*seq_offset : nullptr}});
+  if (writes_outputs) {
+    check_writable_layout(op, "key", key);
+    check_writable_layout(op, "value", value);
+  }
+}
+
+}  // namespace
+
+// mla_ops/ops/decode_attention.py: check_decode_attention_args
+void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, double softmax_scale) {
+  constexpr std::string_view op = "mla_decode_attention";
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, prefix(op),
+              "softmax_scale must be a finite positive number (e.g. qk_head_dim ** -0.5), got ", py_float(softmax_scale));
+  check_float(op, "q_latent", q_latent);
+  check_rank(op, "q_latent", q_latent, 3, "[batch, heads, kv_lora_rank] (q_nope absorbed with W_UK)");
+  check_rank(op, "q_pe", q_pe, 3, "[batch, heads, rope_dim] (rotated)");
+  check_same_dtype(op, "q_pe", q_pe, "q_latent", q_latent);
+  check_size(op, "q_pe", q_pe.size(0), q_latent.size(0), "batch (dim 0) must equal q_latent's");
+  check_size(op, "q_pe", q_pe.size(1), q_latent.size(1), "heads (dim 1) must equal q_latent's");
+  check_cache_pair(op, key_cache, value_cache);
+  check_size(op, "key_cache", key_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared latent");
+  check_size(op, "value_cache", value_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared k_pe");
+  check_size(op, "key_cache", key_cache.size(3), q_latent.size(2),
+             "dim (dim 3) must equal kv_lora_rank, the last dim of q_latent");
+  check_size(op, "value_cache", value_cache.size(3), q_pe.size(2),
+             "dim (dim 3) must equal rope_dim, the last dim of q_pe");
+  check_same_dtype(op, "key_cache", key_cache, "q_latent", q_latent);
+  check_same_dtype(op, "value_cache", value_cache, "q_latent", q_latent);
+  check_index(op, "block_tables", block_tables);
+  check_rank(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]");
+  check_size(op, "block_tables", block_tables.size(0), q_latent.size(0), "rows must equal the batch size");
+  check_index(op, "seq_lens", seq_lens);
+  check_rank(op, "seq_lens", seq_lens, 1, "[batch]");
+  check_size(op, "seq_lens", seq_lens.size(0), q_latent.size(0), "length must equal the batch size");
+  check_same_device(op, {{"q_latent", &q_latent},
+                         {"q_pe", &q_pe},
+                         {"key_cache", &key_cache},
+                         {"value_cache", &value_cache},
+                         {"block_tables", &block_tables},
+                         {"seq_lens", &seq_lens}});
+}
+
+// mla_ops/ops/kv_prolog.py: check_latent_kv_prolog_args
+void check_latent_kv_prolog_args(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
+                                 const std::optional<at::Tensor>& kv_a_bias, const at::Tensor& kv_norm_weight,
+                                 const at::Tensor& cos, const at::Tensor& sin, double eps,
+                                 std::string_view rope_layout, std::string_view rope_compute_dtype) {
+  check_stage1_args("latent_kv_prolog", hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout,
+                    rope_compute_dtype);
+}
+
+// mla_ops/ops/kv_prolog.py: check_kv_prolog_args
+void check_kv_prolog_args(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
+                          const std::optional<at::Tensor>& kv_a_bias, const at::Tensor& kv_norm_weight,
+                          const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin,
+                          int64_t num_heads, int64_t qk_nope_head_dim, int64_t v_head_dim, double eps,
+                          std::string_view rope_layout, std::string_view rope_compute_dtype) {
+  constexpr std::string_view op = "kv_prolog";
+  check_stage1_args(op, hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout,
+                    rope_compute_dtype);
+  for (const auto& [name, value] : {std::pair<std::string_view, int64_t>{"num_heads", num_heads},
+                                    {"qk_nope_head_dim", qk_nope_head_dim},
+                                    {"v_head_dim", v_head_dim}}) {
+    TORCH_CHECK(value > 0, prefix(op), name, " must be positive, got ", value);
+  }
+  check_rank(op, "kv_b_weight", kv_b_weight, 2, "[num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]");
+  check_same_dtype(op, "kv_b_weight", kv_b_weight, "hidden_states", hidden);
+  // num_heads * (P + V) in 128 bits: huge head counts must be refused, never wrap into a match
+  const __int128 rows = static_cast<__int128>(num_heads) * (static_cast<__int128>(qk_nope_head_dim) + v_head_dim);
+  TORCH_CHECK(static_cast<__int128>(kv_b_weight.size(0)) == rows, prefix(op),
+              "kv_b_weight rows must be num_heads * (qk_nope_head_dim + v_head_dim) = ", num_heads, " * (",
+              qk_nope_head_dim, " + ", v_head_dim, "): expected ", py_int(rows), ", got ", kv_b_weight.size(0));
+  check_size(op, "kv_b_weight", kv_b_weight.size(1), kv_norm_weight.size(0),
+             "in_features (dim 1) must equal kv_lora_rank (the size of kv_norm_weight)");
+  check_same_device(op, {{"hidden_states", &hidden}, {"kv_b_weight", &kv_b_weight}});
+}
+
+// mla_ops/ops/scatter_pa_kv_cache.py: check_scatter_pa_kv_cache_args
+void check_scatter_pa_kv_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  constexpr std::string_view op = "scatter_pa_kv_cache";
+  check_cache_pair(op, key_cache, value_cache);
+  check_token_tensor(op, "key", key, "key_cache", key_cache);
+  check_token_tensor(op, "value", value, "value_cache", value_cache);
+  check_size(op, "value", value.size(0), key.size(0), "token count (dim 0) must equal key's");
+  check_index(op, "slot_mapping", slot_mapping);
+  check_rank(op, "slot_mapping", slot_mapping, 1, "[tokens]");
+  check_size(op, "slot_mapping", slot_mapping.size(0), key.size(0),
+             "length must equal the token count of key (use a negative slot for padding tokens)");
+  check_same_device(op, {{"key", &key},
+                         {"value", &value},
+                         {"key_cache", &key_cache},
+                         {"value_cache", &value_cache},
+                         {"slot_mapping", &slot_mapping}});
+  check_writable_layout(op, "key_cache", key_cache);
+  check_writable_layout(op, "value_cache", value_cache);
+}
+
+// mla_ops/ops/gather_pa_kv_cache.py: check_gather_pa_kv_cache_args / _functional_args
+void check_gather_pa_kv_cache_args(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& key,
+                                   const at::Tensor& value, const std::optional<at::Tensor>& seq_offset,
+                                   bool is_seq_lens_cumsum, bool functional) {
+  check_gather_args(functional ? "gather_pa_kv_cache_functional" : "gather_pa_kv_cache", key_cache, value_cache,
+                    block_tables, seq_lens, key, value, seq_offset, is_seq_lens_cumsum, !functional);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mla_native
