@@ -107,6 +107,20 @@ def test_decode_matches_reference(ext, dtype, block_size):
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], dtype)
 
 
+@pytest.mark.parametrize("heads", [1, 5, 16])
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+def test_decode_bf16_dot_product_path(ext, heads, block_size, monkeypatch):
+    """bf16 caches whose latent and rope dims are multiples of 32 take the bf16 dot-product kernel on
+    CPUs with AVX512-BF16 (the fp32 path elsewhere): against the fp64 oracle and the reference, over
+    head counts that do not fill the 4-head register blocks and ragged lengths."""
+    monkeypatch.setitem(globals(), "N", heads)  # _pool_case's query heads
+    args = _pool_case(torch.bfloat16, block_size, [1, 31, 32, 33, 2 * block_size + 7, 300], L=96, R=32)
+    scale = 128**-0.5
+    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    ref = torch.ops.mla.mla_decode_attention(*args, scale)
+    _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 def test_decode_contiguous_int64_and_tails(ext, dtype):
     """Contiguous caches, int64 indices, and dims that are no multiple of any vector width."""

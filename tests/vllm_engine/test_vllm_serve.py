@@ -14,11 +14,13 @@ What must be equal, and why:
 * Requests sent one at a time: token ids, text and the top-5 logprobs of every step, bit for bit. Both
   sides run one sequence per step through the same compiled graphs and kernels with the same thread
   count, so every fp32 operation is the same and rounds the same; the front end (HTTP, tokenizer, engine
-  core process) may not change a number. The prompts share no full 16-token cache block, so no request
-  reads another's prefix-cached rows. The offline side is compiled too, with the same compile-cache key,
-  so it loads the code the server compiled from vLLM's compile cache (or, with the cache off, compiles
-  the same graph). Run eagerly it gives the same tokens but logprobs about 2e-5 off from the first step
-  on (measured): inductor fuses and reorders the fp32 elementwise and reduction ops.
+  core process) may not change a number. The thread count is pinned (`SAME_THREADS`): left to itself
+  vLLM gives the server's worker fewer threads than the offline engine takes. The prompts share no full
+  16-token cache block, so no request reads another's prefix-cached rows. The offline side is compiled
+  too, with the same compile-cache key, so it loads the code the server compiled from vLLM's compile
+  cache (or, with the cache off, compiles the same graph). Run eagerly it gives the same tokens but
+  logprobs about 2e-5 off from the first step on (measured): inductor fuses and reorders the fp32
+  elementwise and reduction ops.
 * The concurrent burst: token ids and text equal; logprobs within `FP32_BATCH_LOGPROB_ATOL`. The server
   batches the burst as the requests arrive, the offline engine as one batch, and a different batch
   composition changes GEMM and attention blocking, i.e. fp32 summation order (~1e-6 relative on the
@@ -47,6 +49,10 @@ MODEL_NAME = "tiny-deepseek-v2"
 # the engine settings of both sides: `vllm serve` flags and `run_llm` arguments
 ENGINE = dict(dtype="float32", max_model_len=512, max_num_seqs=4, kv_cache_mb=64)
 TOP_LOGPROBS = 5
+# One OpenMP thread on both sides: the server's worker gets the cores vLLM does not reserve for its front
+# end (one of two on a 2-core machine), the offline in-process engine all of them, and fp32 reductions
+# split over a different thread count round differently (measured: logprobs ~1e-5 apart).
+SAME_THREADS = {"OMP_NUM_THREADS": "1"}
 # fp32, different batch composition: summation order only (see the module docstring); the same bound as
 # test_vllm_engine.py's for fp32 kernels that differ in summation order
 FP32_BATCH_LOGPROB_ATOL = 1e-3
@@ -113,7 +119,7 @@ def server(tiny_checkpoint, tmp_path_factory):
            "--served-model-name", MODEL_NAME, "--dtype", ENGINE["dtype"],
            "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
            "--kv-cache-memory-bytes", str(ENGINE["kv_cache_mb"] << 20)]
-    env = dict(os.environ, MLA_OPS_VLLM_PLUGIN="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, MLA_OPS_VLLM_PLUGIN="1", TOKENIZERS_PARALLELISM="false", **SAME_THREADS)
     with open(log_path, "w") as log:
         # its own session, so teardown can stop the server and the engine process it started
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -174,7 +180,7 @@ def offline(served, tiny_checkpoint):
     chat = {"prompts": [served["chat"]["prompt_token_ids"]], "max_tokens": CHAT[1]}
     burst = {"prompts": [c["choices"][0]["prompt_token_ids"] for c in served["burst"]], "max_tokens": BURST[1]}
     report = run_llm(tiny_checkpoint, serial + [chat, burst], plugin=True, enforce_eager=False,
-                     logprobs=TOP_LOGPROBS, **ENGINE)
+                     logprobs=TOP_LOGPROBS, extra_env=SAME_THREADS, **ENGINE)
     jobs = [job["outputs"] for job in report["jobs"]]
     return {"report": report, "serial": [job[0] for job in jobs[:len(SERIAL)]], "chat": jobs[-2][0],
             "burst": jobs[-1]}

@@ -4,114 +4,244 @@
 //   o_latent[b, n]  = softmax_t(scores[b, n, :seq_lens[b]]) . latent[b, :seq_lens[b]]
 //
 // Every head attends over the same cached rows, so the kernel is organised around the cache:
-// each work unit owns one chunk of one sequence's context and ALL heads; it reads each cached
-// row once (converting bf16/fp16 to fp32 once per row), scores it against every head, and
-// accumulates every head's output with an online (flash-decoding style) softmax in fp32. Units
-// split a sequence's context (split-K) so one sequence keeps every core busy; a final pass merges
-// the per-unit (max, sum, accumulator) triples per head and writes the output dtype.
+// each work unit owns one chunk of one sequence's context and ALL heads (head folding: a cached
+// row is read once for the N heads), walks it in tiles of tokens, scores each tile against every
+// head, and accumulates every head's output with an online (flash-decoding style) softmax in fp32.
+// Units split a sequence's context (split-K) so one sequence keeps every core busy; a final pass
+// merges the per-unit (max, sum, accumulator) triples per head and writes the output dtype.
 //
-// Positions at or past a row's length are never read: the chunks cover [0, len) only, so
-// whatever sits in unattended slots (NaN/inf included) cannot reach the output.
+// Two tile engines, picked at run time:
+//  * Bf16DotTiles (AVX-512 build, bf16 caches, CPUs with AVX512-BF16): bf16 products with fp32
+//    accumulation through vdpbf16ps. The score dots read the cached rows in place (the reduction
+//    runs along the row, lanes over its dims); for P . latent the tile's rows are interleaved in
+//    token pairs once (the VNNI layout also used by SGLang's sgl-kernel/csrc/cpu/decode.cpp) and
+//    the probabilities are rounded to bf16, the rounding the reference kernel applies too. The
+//    softmax denominator sums the rounded probabilities, so numerator and denominator share the
+//    same weights.
+//  * F32Tiles (every build, every dtype): rows converted to fp32 once per tile (fp32 caches read in
+//    place), register-blocked fp32 FMA micro-kernels.
+// Score micro-kernels keep one accumulator per (head, token) with lanes over the dims and reduce
+// a whole register block at once with a transpose-and-add tree (ISA-specific) instead of one
+// horizontal sum per accumulator.
+//
+// Positions at or past a row's length are never read: the units cover [0, len) only, so whatever
+// sits in unattended slots (NaN/inf included) cannot reach the output. The next tile's rows are
+// prefetched while a tile is computed (a sequence's blocks are scattered over the pool).
+//
+// AMX tiles are not used. The route to them would be at::native::cpublas::brgemm (oneDNN's
+// ukernel) on VNNI-packed tiles; on a CPU without AMX oneDNN runs its AVX-512 kernels there
+// instead, so the AMX half of that path cannot be exercised where AMX is absent.
 #include "common.h"
+
+#include <ATen/cpu/Utils.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+// vdpbf16ps is not part of the build's baseline flags: only the functions that use it are compiled
+// for it, and they run only where the CPU reports AVX512-BF16.
+#define MLA_BF16_DOT 1
+#define MLA_TARGET_BF16 __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f,avx512dq")))
+#endif
 
 namespace mla_native {
 inline namespace CPU_CAPABILITY {
 namespace {
 
-// Tokens scored together: the unit of the online-softmax update (one max / rescale per tile per
-// head) and a multiple of every fVec width (4 NEON, 8 AVX2/default, 16 AVX-512).
-constexpr int64_t kTile = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr const char* kOpPrefix = "mla.mla_decode_attention: ";
 
 inline float hsum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
 }
 
-// out[h][t] += dot(q[h], rows[t]) over D, for NH heads x NT tokens held in registers at once:
-// each loaded query / row vector feeds several FMAs (2x4 -> 8 FMAs per 6 loads).
+// ------------------------------------------------------------------------------ index values
+
+// The lengths the kernel attends to, per row. validate=true: the first invalid value raises the
+// ValueError text of the Python check `check_decode_values` (every length in order first, then the
+// first bad block id a row uses, row-major). validate=false: lengths are clamped into
+// [0, maxb * bs], and a row's length is cut after its last in-range block id (trailing blocks with
+// bad ids would be skipped anyway; cutting them keeps the work proportional to real blocks).
+// All products and sums are overflow-checked: lengths and ids may be any int64.
+std::vector<int64_t> attended_lengths(const IndexView& lens, const IndexView& table, int64_t B, int64_t maxb,
+                                      int64_t NB, int64_t bs, bool validate) {
+  int64_t capacity = 0;
+  if (__builtin_mul_overflow(maxb, bs, &capacity)) capacity = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> out(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens[b];
+    if (validate) {
+      TORCH_CHECK_VALUE(n >= 1, kOpPrefix, "seq_lens[", b, "] = ", n,
+                        "; each decoding sequence holds at least its current token (seq_lens >= 1)");
+      TORCH_CHECK_VALUE(n <= capacity, kOpPrefix, "seq_lens[", b, "] = ", n,
+                        " exceeds the block table's capacity (", maxb, " blocks x ", bs, " tokens)");
+      out[b] = n;
+    } else {
+      out[b] = std::clamp<int64_t>(n, 0, capacity);
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = out[b];
+    if (n == 0) continue;                 // only reachable unvalidated
+    const int64_t used = (n - 1) / bs + 1;  // n <= maxb * bs, so bs >= 1 and used <= maxb
+    if (validate) {
+      for (int64_t j = 0; j < used; ++j) {
+        const int64_t id = table[b * maxb + j];
+        TORCH_CHECK_VALUE(id >= 0 && id < NB, kOpPrefix, "block_tables[", b, ", ", j, "] = ", id,
+                          " is used by sequence ", b, " but is not a block id in [0, ", NB, ")");
+      }
+    } else {
+      int64_t last = used - 1;
+      while (last >= 0) {
+        const int64_t id = table[b * maxb + last];
+        if (id >= 0 && id < NB) break;
+        --last;
+      }
+      // (last + 1) * bs <= (used - 1) * bs < n when last + 1 < used: no overflow.
+      out[b] = last < 0 ? 0 : (last + 1 >= used ? n : (last + 1) * bs);
+    }
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ register-block reductions
+
+// out[h * out_stride + t] += sum of the lanes of acc[h][t], for an NH x NT block of accumulators.
 template <int NH, int NT>
-inline void dot_block(const float* const* q, const float* const* rows, int64_t D, float* out, int64_t out_stride) {
+inline void add_block_sums(const fVec (&acc)[NH][NT], float* out, int64_t out_stride) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (NH == 4 && NT == 4) {
+    // Transpose-and-add tree: 16 vectors -> one vector whose lane 4h+t is the sum of acc[h][t]
+    // (45 shuffles/adds for 16 sums instead of ~8 operations per horizontal sum).
+    __m512 s[8];
+    for (int i = 0; i < 8; ++i) {
+      const __m512 a = acc[(2 * i) / 4][(2 * i) % 4], b = acc[(2 * i + 1) / 4][(2 * i + 1) % 4];
+      s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    __m512 w[4];
+    for (int i = 0; i < 4; ++i) {
+      w[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, r);
+    for (int h = 0; h < 4; ++h) {
+      float* o = out + h * out_stride;
+      _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), _mm_load_ps(sums + 4 * h)));
+    }
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (NH == 2 && NT == 4) {
+    // 8 vectors -> one vector whose lane 4h+t is the sum of acc[h][t].
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[0][1]), _mm256_hadd_ps(acc[0][2], acc[0][3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[1][0], acc[1][1]), _mm256_hadd_ps(acc[1][2], acc[1][3]));
+    const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    _mm_storeu_ps(out, _mm_add_ps(_mm_loadu_ps(out), _mm256_castps256_ps128(r)));
+    float* o1 = out + out_stride;
+    _mm_storeu_ps(o1, _mm_add_ps(_mm_loadu_ps(o1), _mm256_extractf128_ps(r, 1)));
+    return;
+  }
+#endif
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < NT; ++t) out[h * out_stride + t] += hsum(acc[h][t]);
+}
+
+// ------------------------------------------------------------------------------ fp32 engine
+
+// Register blocks of the fp32 micro-kernels. Scores: NH heads x 4 tokens of accumulators (16 on
+// AVX-512's 32 registers, 8 on AVX2's 16: enough independent FMA chains to cover the FMA latency).
+// P . latent: NH heads x NC output vectors per token step.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kScoreHeads = 4, kAccHeads = 4, kAccVecs = 4;
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int kScoreHeads = 2, kAccHeads = 4, kAccVecs = 3;
+#else
+constexpr int kScoreHeads = 2, kAccHeads = 4, kAccVecs = 2;
+#endif
+constexpr int kScoreTokens = 4;
+
+// out[h][t] += ql[h] . lat[t] + qp[h] . pe[t]: one register block and one reduction for both
+// parts. The accumulators stay local to this function so that GCC keeps them in registers.
+template <int NH, int NT>
+inline void f32_score_block(const float* const* ql, const float* const* lat, int64_t L, const float* const* qp,
+                            const float* const* pe, int64_t R, float* out, int64_t out_stride) {
   constexpr int64_t W = fVec::size();
-  const int64_t Dv = D - D % W;
   fVec acc[NH][NT];
   for (int h = 0; h < NH; ++h)
     for (int t = 0; t < NT; ++t) acc[h][t] = fVec(0.f);
-  for (int64_t d = 0; d < Dv; d += W) {
-    fVec r[NT];
-    for (int t = 0; t < NT; ++t) {
-      r[t] = fVec::loadu(rows[t] + d);
-      pin(r[t]);
-    }
-    for (int h = 0; h < NH; ++h) {
-      const fVec x = fVec::loadu(q[h] + d);
-      for (int t = 0; t < NT; ++t) acc[h][t] = at::vec::fmadd(x, r[t], acc[h][t]);
-    }
-  }
-  for (int h = 0; h < NH; ++h) {
-    for (int t = 0; t < NT; ++t) {
-      float s = hsum(acc[h][t]);
-      for (int64_t d = Dv; d < D; ++d) s += q[h][d] * rows[t][d];
-      out[h * out_stride + t] += s;
-    }
-  }
-}
-
-// scores[n * kTile + t] += q[n] . rows[t] for all N heads and nt tokens.
-void add_scores(const float* q, int64_t N, const float* const* rows, int64_t nt, int64_t D, float* scores) {
-  int64_t n = 0;
-  for (; n + 2 <= N; n += 2) {
-    const float* qh[2] = {q + n * D, q + (n + 1) * D};
-    int64_t t = 0;
-    for (; t + 4 <= nt; t += 4) dot_block<2, 4>(qh, rows + t, D, scores + n * kTile + t, kTile);
-    for (; t < nt; ++t) dot_block<2, 1>(qh, rows + t, D, scores + n * kTile + t, kTile);
-  }
-  for (; n < N; ++n) {
-    const float* qh[1] = {q + n * D};
-    int64_t t = 0;
-    for (; t + 4 <= nt; t += 4) dot_block<1, 4>(qh, rows + t, D, scores + n * kTile + t, kTile);
-    for (; t < nt; ++t) dot_block<1, 1>(qh, rows + t, D, scores + n * kTile + t, kTile);
-  }
-}
-
-// o[h] += sum_t p[h][t] * rows[t] for NH heads, two output vectors per head in registers while
-// the tile's rows stream through (NH*2 FMAs per 2 row loads + NH broadcasts).
-template <int NH>
-inline void accumulate_heads(float* const* o, const float* const* p, const float* const* rows, int64_t nt,
-                             int64_t L) {
-  constexpr int64_t W = fVec::size();
-  int64_t d = 0;
-  for (; d + 2 * W <= L; d += 2 * W) {
-    fVec acc[NH][2];
-    for (int h = 0; h < NH; ++h) {
-      acc[h][0] = fVec::loadu(o[h] + d);
-      acc[h][1] = fVec::loadu(o[h] + d + W);
-    }
-    for (int64_t t = 0; t < nt; ++t) {
-      const fVec r0 = fVec::loadu(rows[t] + d);
-      const fVec r1 = fVec::loadu(rows[t] + d + W);
+  for (int part = 0; part < 2; ++part) {
+    const float* const* q = part == 0 ? ql : qp;
+    const float* const* rows = part == 0 ? lat : pe;
+    const int64_t Dv = (part == 0 ? L : R) / W * W;
+    for (int64_t d = 0; d < Dv; d += W) {
+      fVec r[NT];
+      for (int t = 0; t < NT; ++t) {
+        r[t] = fVec::loadu(rows[t] + d);
+        pin(r[t]);
+      }
       for (int h = 0; h < NH; ++h) {
-        const fVec w(p[h][t]);
-        acc[h][0] = at::vec::fmadd(w, r0, acc[h][0]);
-        acc[h][1] = at::vec::fmadd(w, r1, acc[h][1]);
+        fVec x = fVec::loadu(q[h] + d);
+        pin(x);
+        for (int t = 0; t < NT; ++t) acc[h][t] = at::vec::fmadd(x, r[t], acc[h][t]);
       }
     }
+  }
+  add_block_sums<NH, NT>(acc, out, out_stride);
+  for (int part = 0; part < 2; ++part) {
+    const float* const* q = part == 0 ? ql : qp;
+    const float* const* rows = part == 0 ? lat : pe;
+    const int64_t D = part == 0 ? L : R;
+    for (int64_t d = D / W * W; d < D; ++d)
+      for (int h = 0; h < NH; ++h)
+        for (int t = 0; t < NT; ++t) out[h * out_stride + t] += q[h][d] * rows[t][d];
+  }
+}
+
+// o[h][d0 : d0 + NC*W] += sum_t p[h][t] * rows[t][d0 : ...] for NH heads. Not inlined: inside the
+// driver GCC's register allocation spills the row vectors of this loop.
+template <int NH, int NC>
+__attribute__((noinline)) void f32_acc_block(float* const* o, const float* const* p, const float* const* rows, int64_t nt,
+                          int64_t d0) {
+  constexpr int64_t W = fVec::size();
+  fVec acc[NH][NC];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < NC; ++c) acc[h][c] = fVec::loadu(o[h] + d0 + c * W);
+  for (int64_t t = 0; t < nt; ++t) {
+    const float* row = rows[t] + d0;
+    fVec r[NC];
+    for (int c = 0; c < NC; ++c) r[c] = fVec::loadu(row + c * W);
     for (int h = 0; h < NH; ++h) {
-      acc[h][0].store(o[h] + d);
-      acc[h][1].store(o[h] + d + W);
+      const fVec w(p[h][t]);
+      for (int c = 0; c < NC; ++c) acc[h][c] = at::vec::fmadd(w, r[c], acc[h][c]);
     }
   }
-  for (; d + W <= L; d += W) {
-    for (int h = 0; h < NH; ++h) {
-      fVec acc = fVec::loadu(o[h] + d);
-      for (int64_t t = 0; t < nt; ++t) acc = at::vec::fmadd(fVec(p[h][t]), fVec::loadu(rows[t] + d), acc);
-      acc.store(o[h] + d);
-    }
-  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < NC; ++c) acc[h][c].store(o[h] + d0 + c * W);
+}
+
+template <int NH>
+inline void f32_acc_heads(float* const* o, const float* const* p, const float* const* rows, int64_t nt, int64_t L) {
+  constexpr int64_t W = fVec::size();
+  int64_t d = 0;
+  for (; d + kAccVecs * W <= L; d += kAccVecs * W) f32_acc_block<NH, kAccVecs>(o, p, rows, nt, d);
+  for (; d + W <= L; d += W) f32_acc_block<NH, 1>(o, p, rows, nt, d);
   for (; d < L; ++d) {
     for (int h = 0; h < NH; ++h) {
       float acc = o[h][d];
@@ -119,28 +249,6 @@ inline void accumulate_heads(float* const* o, const float* const* p, const float
       o[h][d] = acc;
     }
   }
-}
-
-void accumulate(float* o, int64_t N, const float* p, const float* const* rows, int64_t nt, int64_t L) {
-  int64_t n = 0;
-  for (; n + 4 <= N; n += 4) {
-    float* oh[4] = {o + n * L, o + (n + 1) * L, o + (n + 2) * L, o + (n + 3) * L};
-    const float* ph[4] = {p + n * kTile, p + (n + 1) * kTile, p + (n + 2) * kTile, p + (n + 3) * kTile};
-    accumulate_heads<4>(oh, ph, rows, nt, L);
-  }
-  for (; n < N; ++n) {
-    float* oh[1] = {o + n * L};
-    const float* ph[1] = {p + n * kTile};
-    accumulate_heads<1>(oh, ph, rows, nt, L);
-  }
-}
-
-void scale_row(float* o, int64_t L, float alpha) {
-  constexpr int64_t W = fVec::size();
-  const fVec a(alpha);
-  int64_t d = 0;
-  for (; d + W <= L; d += W) (fVec::loadu(o + d) * a).store(o + d);
-  for (; d < L; ++d) o[d] *= alpha;
 }
 
 // Row `src` (D elements of T, element stride `stride`) -> fp32 `dst`.
@@ -156,45 +264,329 @@ inline void row_to_f32(float* dst, const T* src, int64_t D, int64_t stride) {
   }
 }
 
+// Problem geometry shared by the engines and the driver.
+struct Geometry {
+  int64_t N, L, R;
+  int64_t ks3, vs3;  // element strides of a cached row
+};
+
+// fp32 tile engine (one per thread). Queries are fp32 [N, L] / [N, R] per sequence.
+template <typename T>
+class F32Tiles {
+ public:
+  using Query = float;
+  static constexpr int64_t kTile = 16;
+  static constexpr bool kRoundsProbs = false;
+
+  explicit F32Tiles(const Geometry& g)
+      : g_(g), lat32_(kTile * g.L), pe32_(kTile * g.R), zeros_(std::max(g.L, g.R), 0.f) {}
+
+  // Stage cached token `i` of the tile (row pointers into the cache).
+  void stage(int64_t i, const T* latent, const T* k_pe) {
+    if (std::is_same_v<T, float> && g_.ks3 == 1) {
+      lat_[i] = reinterpret_cast<const float*>(latent);
+    } else {
+      row_to_f32<T>(lat32_.data() + i * g_.L, latent, g_.L, g_.ks3);
+      lat_[i] = lat32_.data() + i * g_.L;
+    }
+    if (std::is_same_v<T, float> && g_.vs3 == 1) {
+      pe_[i] = reinterpret_cast<const float*>(k_pe);
+    } else {
+      row_to_f32<T>(pe32_.data() + i * g_.R, k_pe, g_.R, g_.vs3);
+      pe_[i] = pe32_.data() + i * g_.R;
+    }
+  }
+
+  // scores[n * kTile + t] = q[n] . row[t] (unscaled) for the nt staged tokens (and zero-row padding).
+  void scores(const float* ql, const float* qp, int64_t nt, float* scores) {
+    const int64_t padded = pad(nt);
+    std::fill(scores, scores + g_.N * kTile, 0.f);
+    const int64_t N = g_.N, L = g_.L, R = g_.R;
+    int64_t n = 0;
+    for (; n + kScoreHeads <= N; n += kScoreHeads) {
+      const float* qlh[kScoreHeads];
+      const float* qph[kScoreHeads];
+      for (int h = 0; h < kScoreHeads; ++h) {
+        qlh[h] = ql + (n + h) * L;
+        qph[h] = qp + (n + h) * R;
+      }
+      for (int64_t t = 0; t < padded; t += kScoreTokens)
+        f32_score_block<kScoreHeads, kScoreTokens>(qlh, lat_ + t, L, qph, pe_ + t, R, scores + n * kTile + t, kTile);
+    }
+    for (; n < N; ++n) {
+      const float* qlh[1] = {ql + n * L};
+      const float* qph[1] = {qp + n * R};
+      for (int64_t t = 0; t < padded; t += kScoreTokens)
+        f32_score_block<1, kScoreTokens>(qlh, lat_ + t, L, qph, pe_ + t, R, scores + n * kTile + t, kTile);
+    }
+  }
+
+  // acc[n] += sum_t probs[n * kTile + t] * latent[t] for the nt staged tokens.
+  void accumulate(const float* probs, int64_t nt, float* acc) {
+    const int64_t N = g_.N, L = g_.L;
+    int64_t n = 0;
+    for (; n + kAccHeads <= N; n += kAccHeads) {
+      float* oh[kAccHeads];
+      const float* ph[kAccHeads];
+      for (int h = 0; h < kAccHeads; ++h) {
+        oh[h] = acc + (n + h) * L;
+        ph[h] = probs + (n + h) * kTile;
+      }
+      f32_acc_heads<kAccHeads>(oh, ph, lat_, nt, L);
+    }
+    for (; n < N; ++n) {
+      float* oh[1] = {acc + n * L};
+      const float* ph[1] = {probs + n * kTile};
+      f32_acc_heads<1>(oh, ph, lat_, nt, L);
+    }
+  }
+
+ private:
+  int64_t pad(int64_t nt) {
+    const int64_t padded = std::min<int64_t>(kTile, (nt + kScoreTokens - 1) / kScoreTokens * kScoreTokens);
+    for (int64_t i = nt; i < padded; ++i) lat_[i] = pe_[i] = zeros_.data();
+    return padded;
+  }
+
+  Geometry g_;
+  std::vector<float> lat32_, pe32_, zeros_;
+  const float* lat_[kTile];
+  const float* pe_[kTile];
+};
+
+// ---------------------------------------------------------------------- AVX512-BF16 engine
+#if defined(MLA_BF16_DOT)
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto it = caps.find("avx512_bf16");
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  }();
+  return has;
+}
+
+// out[h][t] += ql[h] . lat[t] + qp[h] . pe[t] over L and R bf16 values (exact products, fp32
+// accumulation; L and R multiples of 32), NH heads x 4 tokens: one register block and one
+// reduction for both parts. The accumulators stay local to this function (and the loads unmasked)
+// so that GCC keeps them in registers.
+template <int NH>
+MLA_TARGET_BF16 inline void bf16_score_block(const at::BFloat16* const* ql, const at::BFloat16* const* lat, int64_t L,
+                                             const at::BFloat16* const* qp, const at::BFloat16* const* pe, int64_t R,
+                                             float* out, int64_t out_stride) {
+  fVec acc[NH][4];
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < 4; ++t) acc[h][t] = fVec(0.f);
+  for (int part = 0; part < 2; ++part) {
+    // Plain local pointers: loads through the caller's pointer arrays inside the loop would keep
+    // GCC from holding the accumulators in registers (the vector loads may alias them).
+    const at::BFloat16* qh[NH];
+    const at::BFloat16* rt[4];
+    for (int h = 0; h < NH; ++h) qh[h] = part == 0 ? ql[h] : qp[h];
+    for (int t = 0; t < 4; ++t) rt[t] = part == 0 ? lat[t] : pe[t];
+    const int64_t D = part == 0 ? L : R;
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512i r[4];
+      for (int t = 0; t < 4; ++t) {
+        r[t] = _mm512_loadu_si512(rt[t] + d);
+        asm("" : "+v"(r[t]));
+      }
+      for (int h = 0; h < NH; ++h) {
+        __m512i x = _mm512_loadu_si512(qh[h] + d);
+        asm("" : "+v"(x));
+        for (int t = 0; t < 4; ++t) acc[h][t] = fVec(_mm512_dpbf16_ps(acc[h][t], (__m512bh)x, (__m512bh)r[t]));
+      }
+    }
+  }
+  add_block_sums<NH, 4>(acc, out, out_stride);
+}
+
+// acc[h][d0 : d0 + 16*NC] += sum_j dot(p_pair[h][j], packed[j][d]) over token pairs j, NH heads.
+// packed[j] holds rows 2j and 2j+1 interleaved (dword d = (row_2j[d], row_2j+1[d])); p_pair[h][j]
+// is the matching pair of bf16 probabilities.
+template <int NH, int NC>
+MLA_TARGET_BF16 inline void bf16_acc_block(float* const* o, const int32_t* const* p_pair, const uint16_t* packed,
+                                           int64_t pairs, int64_t L, int64_t d0) {
+  __m512 acc[NH][NC];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_loadu_ps(o[h] + d0 + 16 * c);
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint16_t* row = packed + j * 2 * L + 2 * d0;
+    __m512i v[NC];
+    for (int c = 0; c < NC; ++c) {
+      v[c] = _mm512_loadu_si512(row + 32 * c);
+      asm("" : "+v"(v[c]));
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m512i w = _mm512_set1_epi32(p_pair[h][j]);
+      for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], (__m512bh)w, (__m512bh)v[c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o[h] + d0 + 16 * c, acc[h][c]);
+}
+
+// bf16 tile engine (one per thread). Needs unit-stride cached rows and L, R multiples of 32;
+// queries are the bf16 inputs themselves [N, L] / [N, R] (the scale is applied to the fp32 scores).
+class Bf16DotTiles {
+ public:
+  using Query = at::BFloat16;
+  static constexpr int64_t kTile = 32;
+  static constexpr bool kRoundsProbs = true;
+
+  static bool serves(const Geometry& g) {
+    return cpu_has_avx512_bf16() && g.ks3 == 1 && g.vs3 == 1 && g.L % 32 == 0 && g.R % 32 == 0;
+  }
+
+  explicit Bf16DotTiles(const Geometry& g)
+      : g_(g), packed_(kTile * g.L), probs16_(g.N * kTile), zeros_(std::max(g.L, g.R), at::BFloat16(0.f)) {}
+
+  void stage(int64_t i, const at::BFloat16* latent, const at::BFloat16* k_pe) {
+    lat_[i] = latent;
+    pe_[i] = k_pe;
+  }
+
+  MLA_TARGET_BF16 void scores(const at::BFloat16* ql, const at::BFloat16* qp, int64_t nt, float* scores) {
+    const int64_t N = g_.N, L = g_.L, R = g_.R;
+    const int64_t padded = std::min<int64_t>(kTile, (nt + 3) / 4 * 4);
+    for (int64_t i = nt; i < padded; ++i) lat_[i] = pe_[i] = zeros_.data();
+    std::fill(scores, scores + N * kTile, 0.f);
+    // Token blocks outer: a block's 4 rows (4.6 KB at L=512) stay in L1 while every head's query
+    // (18 KB at N=16) streams past them.
+    for (int64_t t = 0; t < padded; t += 4) {
+      int64_t n = 0;
+      for (; n + 4 <= N; n += 4) {
+        const at::BFloat16* qlh[4] = {ql + n * L, ql + (n + 1) * L, ql + (n + 2) * L, ql + (n + 3) * L};
+        const at::BFloat16* qph[4] = {qp + n * R, qp + (n + 1) * R, qp + (n + 2) * R, qp + (n + 3) * R};
+        bf16_score_block<4>(qlh, lat_ + t, L, qph, pe_ + t, R, scores + n * kTile + t, kTile);
+      }
+      for (; n < N; ++n) {
+        const at::BFloat16* qlh[1] = {ql + n * L};
+        const at::BFloat16* qph[1] = {qp + n * R};
+        bf16_score_block<1>(qlh, lat_ + t, L, qph, pe_ + t, R, scores + n * kTile + t, kTile);
+      }
+    }
+  }
+
+  // probs are already bf16 values (kRoundsProbs), zero past nt.
+  MLA_TARGET_BF16 void accumulate(const float* probs, int64_t nt, float* acc) {
+    const int64_t N = g_.N, L = g_.L;
+    const int64_t pairs = (nt + 1) / 2;
+    if (nt % 2 == 1) lat_[nt] = zeros_.data();  // the odd token's partner: weight 0 and finite
+    pack_pairs(pairs);
+    for (int64_t n = 0; n < N; ++n) {
+      const __m512 lo = _mm512_loadu_ps(probs + n * kTile), hi = _mm512_loadu_ps(probs + n * kTile + 16);
+      _mm512_storeu_si512(probs16_.data() + n * kTile, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    const int32_t* pp = reinterpret_cast<const int32_t*>(probs16_.data());
+    // Dim blocks outer: the block's slice of the packed tile (pairs x 256 bytes) stays in L1 for all
+    // heads. L % 32 == 0, so the blocks are 64 dims, then at most one of 32.
+    for (int64_t d = 0; d < L;) {
+      const bool wide = d + 64 <= L;
+      int64_t n = 0;
+      for (; n + 4 <= N; n += 4) {
+        float* oh[4] = {acc + n * L, acc + (n + 1) * L, acc + (n + 2) * L, acc + (n + 3) * L};
+        const int32_t* ph[4] = {pp + n * kTile / 2, pp + (n + 1) * kTile / 2, pp + (n + 2) * kTile / 2,
+                                pp + (n + 3) * kTile / 2};
+        if (wide) {
+          bf16_acc_block<4, 4>(oh, ph, packed_.data(), pairs, L, d);
+        } else {
+          bf16_acc_block<4, 2>(oh, ph, packed_.data(), pairs, L, d);
+        }
+      }
+      for (; n < N; ++n) {
+        float* oh[1] = {acc + n * L};
+        const int32_t* ph[1] = {pp + n * kTile / 2};
+        if (wide) {
+          bf16_acc_block<1, 4>(oh, ph, packed_.data(), pairs, L, d);
+        } else {
+          bf16_acc_block<1, 2>(oh, ph, packed_.data(), pairs, L, d);
+        }
+      }
+      d += wide ? 64 : 32;
+    }
+  }
+
+ private:
+  // packed_[j][d] = (latent[2j][d], latent[2j+1][d]) as one dword. Per 32 dims: a qword permute
+  // [0,4,1,5,2,6,3,7] puts dims 4k..4k+3 and 16+4k..16+4k+3 in 128-bit lane k, so the in-lane
+  // 16-bit unpacks yield dims 0..15 (lo) and 16..31 (hi) in order.
+  MLA_TARGET_BF16 void pack_pairs(int64_t pairs) {
+    const int64_t L = g_.L;
+    const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+    for (int64_t j = 0; j < pairs; ++j) {
+      const at::BFloat16* r0 = lat_[2 * j];
+      const at::BFloat16* r1 = lat_[2 * j + 1];
+      uint16_t* dst = packed_.data() + j * 2 * L;
+      for (int64_t d = 0; d < L; d += 32) {
+        const __m512i a = _mm512_permutexvar_epi64(order, _mm512_loadu_si512(r0 + d));
+        const __m512i b = _mm512_permutexvar_epi64(order, _mm512_loadu_si512(r1 + d));
+        _mm512_storeu_si512(dst + 2 * d, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+  }
+
+  Geometry g_;
+  std::vector<uint16_t> packed_;
+  std::vector<at::BFloat16> probs16_, zeros_;
+  const at::BFloat16* lat_[kTile];
+  const at::BFloat16* pe_[kTile];
+};
+
+#endif  // MLA_BF16_DOT
+
+// --------------------------------------------------------------------------------- driver
+
 struct Unit {
   int64_t b, t0, t1;  // sequence b, tokens [t0, t1)
 };
 
-template <typename T>
+// Rounds fp32 values to the nearest bf16 (ties to even), kept in fp32.
+inline fVec round_to_bf16(const fVec& v) {
+  return std::get<0>(at::vec::convert_to_float<at::BFloat16>(at::vec::convert_from_float<at::BFloat16>(v, v)));
+}
+
+template <typename T, typename Tiles>
 void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_tables, const std::vector<int64_t>& lens,
                    double softmax_scale, at::Tensor& out) {
+  constexpr int64_t kTile = Tiles::kTile;
+  using Query = typename Tiles::Query;
   const int64_t B = q_latent.size(0), N = q_latent.size(1), L = q_latent.size(2), R = q_pe.size(2);
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1), maxb = block_tables.size(1);
-  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks3 = key_cache.stride(3);
-  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs3 = value_cache.stride(3);
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1);
+  const Geometry geo{N, L, R, key_cache.stride(3), value_cache.stride(3)};
   const T* kc = key_cache.const_data_ptr<T>();
   const T* vc = value_cache.const_data_ptr<T>();
   const IndexView table(block_tables);
+  const float scale = static_cast<float>(softmax_scale);
 
-  // Queries in fp32 with the softmax scale folded in (B*N*(L+R) values: negligible).
-  std::vector<float> ql(B * N * L), qp(B * N * R);
+  // Queries in the engine's input type (B*N*(L+R) values: negligible).
+  std::vector<Query> ql(B * N * L), qp(B * N * R);
   {
     const at::Tensor qlc = q_latent.contiguous(), qpc = q_pe.contiguous();
     const T* a = qlc.const_data_ptr<T>();
     const T* c = qpc.const_data_ptr<T>();
-    const float s = static_cast<float>(softmax_scale);
-    for (int64_t i = 0; i < B * N * L; ++i) ql[i] = to_f32(a[i]) * s;
-    for (int64_t i = 0; i < B * N * R; ++i) qp[i] = to_f32(c[i]) * s;
+    for (int64_t i = 0; i < B * N * L; ++i) ql[i] = static_cast<Query>(a[i]);
+    for (int64_t i = 0; i < B * N * R; ++i) qp[i] = static_cast<Query>(c[i]);
   }
 
   // Split-K: enough units for every thread to get several (load balance across mixed lengths),
   // but chunks of at least 256 tokens so the merge stays small next to the attention work.
   int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += lens[b];
+  for (int64_t b = 0; b < B; ++b)
+    if (__builtin_add_overflow(total, lens[b], &total)) total = std::numeric_limits<int64_t>::max();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t chunk = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads));
+  int64_t chunk = std::max<int64_t>(256, total / (4 * threads) + 1);
   chunk = (chunk + kTile - 1) / kTile * kTile;
   std::vector<Unit> units;
   std::vector<int64_t> first_unit(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     first_unit[b] = static_cast<int64_t>(units.size());
-    for (int64_t t0 = 0; t0 < lens[b]; t0 += chunk) units.push_back({b, t0, std::min(lens[b], t0 + chunk)});
+    for (int64_t t0 = 0; t0 < lens[b]; t0 += std::min(chunk, lens[b] - t0))
+      units.push_back({b, t0, t0 + std::min(chunk, lens[b] - t0)});
   }
   first_unit[B] = static_cast<int64_t>(units.size());
   const int64_t U = first_unit[B];
@@ -203,71 +595,100 @@ void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at:
   std::vector<float> m_part(U * N, kNegInf), l_part(U * N, 0.f);
   at::Tensor acc_buf = at::empty({std::max<int64_t>(U, 1), N, L}, q_latent.options().dtype(at::kFloat));
   float* acc_all = acc_buf.data_ptr<float>();
-  constexpr bool kIsFloat = std::is_same_v<T, float>;
+
+  // Requests the cache lines of tokens [t0, t1) of sequence b (the next tile) while the current
+  // one is computed: the blocks of a sequence are scattered over the pool, so the hardware
+  // prefetcher loses the stream at every block boundary.
+  const int64_t lat_bytes = L * static_cast<int64_t>(sizeof(T)), pe_bytes = R * static_cast<int64_t>(sizeof(T));
+  const bool unit_rows = geo.ks3 == 1 && geo.vs3 == 1;
+  auto prefetch_tile = [&](int64_t b, int64_t t0, int64_t t1) {
+    if (!unit_rows) return;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t id = table[b * maxb + t / bs];
+      if (id < 0 || id >= NB) continue;
+      const char* kp = reinterpret_cast<const char*>(kc + id * ks0 + (t % bs) * ks1);
+      const char* vp = reinterpret_cast<const char*>(vc + id * vs0 + (t % bs) * vs1);
+      for (int64_t i = 0; i < lat_bytes; i += 64) __builtin_prefetch(kp + i, 0, 3);
+      for (int64_t i = 0; i < pe_bytes; i += 64) __builtin_prefetch(vp + i, 0, 3);
+    }
+  };
 
   at::parallel_for(0, U, 1, [&](int64_t u_begin, int64_t u_end) {
-    // Per-thread scratch: fp32 copies of one tile of rows (not needed for fp32 unit-stride
-    // caches, which are read in place), scores and probabilities for every head.
-    std::vector<float> lat32(kTile * L), pe32(kTile * R), scores(N * kTile), probs(N * kTile);
-    const float* lat_rows[kTile];
-    const float* pe_rows[kTile];
+    Tiles tiles(geo);
+    std::vector<float> scores(N * kTile), probs(N * kTile);
+    constexpr int64_t W = fVec::size();
     for (int64_t u = u_begin; u < u_end; ++u) {
       const Unit unit = units[u];
       float* acc = acc_all + u * N * L;
       std::fill(acc, acc + N * L, 0.f);
       float* m = m_part.data() + u * N;
       float* l = l_part.data() + u * N;
-      const float* qlb = ql.data() + unit.b * N * L;
-      const float* qpb = qp.data() + unit.b * N * R;
-      for (int64_t t = unit.t0; t < unit.t1;) {
+      const Query* qlb = ql.data() + unit.b * N * L;
+      const Query* qpb = qp.data() + unit.b * N * R;
+      const int64_t row = unit.b * maxb;
+      int64_t t = unit.t0;
+      while (t < unit.t1) {
+        // Gather up to kTile tokens, a run of one block at a time; a block whose id is out of
+        // range (only reachable unvalidated) is skipped whole, never read.
         int64_t nt = 0;
-        const int64_t tile_end = std::min(unit.t1, t + kTile);
-        for (; t < tile_end; ++t) {
-          // t < len <= maxb * bs, so the table column is in range.
-          const int64_t id = table[unit.b * maxb + t / bs];
-          if (id < 0 || id >= NB) continue;  // only reachable unvalidated: skip, never read
-          const int64_t off = t % bs;
-          const T* kp = kc + id * ks0 + off * ks1;
-          const T* vp = vc + id * vs0 + off * vs1;
-          if (kIsFloat && ks3 == 1) {
-            lat_rows[nt] = reinterpret_cast<const float*>(kp);
-          } else {
-            row_to_f32<T>(lat32.data() + nt * L, kp, L, ks3);
-            lat_rows[nt] = lat32.data() + nt * L;
+        while (nt < kTile && t < unit.t1) {
+          const int64_t j = t / bs, off = t % bs;  // t < len <= maxb * bs: j < maxb
+          const int64_t id = table[row + j];
+          const int64_t run = std::min({bs - off, unit.t1 - t, kTile - nt});
+          if (id >= 0 && id < NB) {
+            const T* kp = kc + id * ks0 + off * ks1;
+            const T* vp = vc + id * vs0 + off * vs1;
+            for (int64_t i = 0; i < run; ++i) tiles.stage(nt + i, kp + i * ks1, vp + i * vs1);
+            nt += run;
           }
-          if (kIsFloat && vs3 == 1) {
-            pe_rows[nt] = reinterpret_cast<const float*>(vp);
-          } else {
-            row_to_f32<T>(pe32.data() + nt * R, vp, R, vs3);
-            pe_rows[nt] = pe32.data() + nt * R;
-          }
-          ++nt;
+          t += run;
         }
         if (nt == 0) continue;
-        std::fill(scores.begin(), scores.end(), 0.f);
-        add_scores(qlb, N, lat_rows, nt, L, scores.data());
-        add_scores(qpb, N, pe_rows, nt, R, scores.data());
+        prefetch_tile(unit.b, t, std::min(unit.t1, t + kTile));
+        tiles.scores(qlb, qpb, nt, scores.data());
         // Online softmax, one update per tile and head.
         for (int64_t n = 0; n < N; ++n) {
           float* sc = scores.data() + n * kTile;
           float* pr = probs.data() + n * kTile;
-          float tile_max = kNegInf;
-          for (int64_t i = 0; i < nt; ++i) tile_max = std::max(tile_max, sc[i]);
-          const float m_new = std::max(m[n], tile_max);
+          // Padding past nt is -inf for the max; the probabilities there are set to 0 below.
+          std::fill(sc + nt, sc + kTile, kNegInf);
+          const fVec sv(scale);
+          fVec vmax(kNegInf);
+          for (int64_t i = 0; i < kTile; i += W) {
+            const fVec x = fVec::loadu(sc + i) * sv;
+            x.store(sc + i);
+            vmax = at::vec::maximum(vmax, x);
+          }
+          const float tile_max =
+              at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, vmax);
+          // A NaN score (NaN/inf in an attended row) makes the head's output NaN, as in the reference.
+          const float m_new = std::isnan(tile_max) ? tile_max : std::max(m[n], tile_max);
           if (m_new == kNegInf) {  // every score so far is -inf: nothing to weight yet
             std::fill(pr, pr + kTile, 0.f);
             continue;
           }
           const fVec mv(m_new);
-          for (int64_t i = 0; i < kTile; i += fVec::size()) (fVec::loadu(sc + i) - mv).exp_u20().store(pr + i);
-          float sum = 0.f;
-          for (int64_t i = 0; i < nt; ++i) sum += pr[i];
+          fVec vsum(0.f);
+          for (int64_t i = 0; i < kTile; i += W) {
+            fVec e = (fVec::loadu(sc + i) - mv).exp_u20();
+            if constexpr (Tiles::kRoundsProbs) e = round_to_bf16(e);
+            if (i + W > nt) e = fVec::set(fVec(0.f), e, std::max<int64_t>(0, nt - i));
+            e.store(pr + i);
+            vsum = vsum + e;
+          }
+          const float sum = hsum(vsum);
           const float alpha = std::exp(m[n] - m_new);  // 0 on the first tile (m = -inf)
-          if (alpha != 1.f && l[n] != 0.f) scale_row(acc + n * L, L, alpha);
+          if (alpha != 1.f && l[n] != 0.f) {
+            float* o = acc + n * L;
+            const fVec a(alpha);
+            int64_t d = 0;
+            for (; d + W <= L; d += W) (fVec::loadu(o + d) * a).store(o + d);
+            for (; d < L; ++d) o[d] *= alpha;
+          }
           l[n] = l[n] * alpha + sum;
           m[n] = m_new;
         }
-        accumulate(acc, N, probs.data(), lat_rows, nt, L);
+        tiles.accumulate(probs.data(), nt, acc);
       }
     }
   });
@@ -295,7 +716,8 @@ void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at:
           const float* src = acc_all + (u * N + n) * L;
           const fVec wv(w);
           int64_t d = 0;
-          for (; d + W <= L; d += W) at::vec::fmadd(wv, fVec::loadu(src + d), fVec::loadu(merged.data() + d)).store(merged.data() + d);
+          for (; d + W <= L; d += W)
+            at::vec::fmadd(wv, fVec::loadu(src + d), fVec::loadu(merged.data() + d)).store(merged.data() + d);
           for (; d < L; ++d) merged[d] += w * src[d];
         }
       }
@@ -317,31 +739,27 @@ at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, 
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens_t = seq_lens.contiguous();
-  const int64_t maxb = tables.size(1);
-  const int64_t capacity = maxb * bs;
-  const IndexView lens_v(lens_t), table(tables);
-  std::vector<int64_t> lens(B);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = lens_v[b];
-    if (validate) {
-      if (n < 1 || n > capacity) return at::Tensor();
-      const int64_t used = (n + bs - 1) / bs;
-      for (int64_t j = 0; j < used; ++j) {
-        const int64_t id = table[b * maxb + j];
-        if (id < 0 || id >= NB) return at::Tensor();
-      }
-      lens[b] = n;
-    } else {
-      lens[b] = std::clamp<int64_t>(n, 0, capacity);
-    }
-  }
+  const std::vector<int64_t> lens =
+      attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs, validate);
   at::Tensor out = at::empty(q_latent.sizes(), q_latent.options());
   if (B == 0 || out.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_latent.scalar_type(), "mla_decode_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "mla native decode_attention: float64 is served by the reference kernel");
     } else {
-      decode_kernel<scalar_t>(q_latent, q_pe, key_cache, value_cache, tables, lens, softmax_scale, out);
+#if defined(MLA_BF16_DOT)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        const Geometry geo{q_latent.size(1), q_latent.size(2), q_pe.size(2), key_cache.stride(3),
+                           value_cache.stride(3)};
+        if (Bf16DotTiles::serves(geo)) {
+          decode_kernel<scalar_t, Bf16DotTiles>(q_latent, q_pe, key_cache, value_cache, tables, lens, softmax_scale,
+                                                out);
+          return;
+        }
+      }
+#endif
+      decode_kernel<scalar_t, F32Tiles<scalar_t>>(q_latent, q_pe, key_cache, value_cache, tables, lens,
+                                                 softmax_scale, out);
     }
   });
   return out;

@@ -1,0 +1,181 @@
+"""Compute and memory floors of this CPU for the absorbed MLA decode kernel.
+
+Measures, on `--threads` cores (OpenMP, one thread per core):
+  * fp32 FMA peak: independent chains of vfmadd231ps (512-bit and 256-bit), GFLOP/s;
+  * bf16 dot peak: independent chains of vdpbf16ps (512-bit; only where the CPU has AVX512-BF16);
+  * read bandwidth: every thread sums its share of a buffer, once for a DRAM-sized buffer and once
+    for one that fits the last-level cache (the B=1 cache of 4.7 MB stays there between decode steps);
+and prints, for each decode case (bf16, N=16, L=512, R=64), the work (2 flops per multiply-add:
+N*(L+R) for the scores plus N*L for P . latent per cached token), the bytes of the cache read, and
+the time floors they imply: compute at each peak, memory at the matching bandwidth.
+
+    python benchmarks/cpu_floors.py [--threads 2] [--json floors.json]
+
+The micro-kernels are compiled with torch.utils.cpp_extension.load_inline (-O2 -march=native), so
+the numbers are those of the machine it runs on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+N, L, R = 16, 512, 64
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <chrono>
+#include <vector>
+
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// `chains` independent accumulators hide the instruction latency; the result is summed so nothing
+// is optimised away. Returns flops per second over all threads.
+template <int CHAINS, typename Vec, typename Step>
+static double peak(int threads, int64_t iters, double flops_per_step, Step step, Vec zero) {
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const double t0 = now();
+    float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      Vec acc[CHAINS];
+      for (int i = 0; i < CHAINS; ++i) acc[i] = zero;
+      Vec x = zero;
+      for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+        for (int i = 0; i < CHAINS; ++i) acc[i] = step(acc[i], x);
+        asm volatile("" : "+x"(x));
+      }
+      for (int i = 0; i < CHAINS; ++i) sink += ((float*)&acc[i])[0];
+    }
+    const double dt = now() - t0;
+    if (sink == 12345.f) best += 1e-30;
+    best = std::max(best, flops_per_step * CHAINS * iters * threads / dt);
+  }
+  return best;
+}
+
+double fma512(int threads, int64_t iters) {
+  return peak<16, __m512>(threads, iters, 32.0,
+                          [](__m512 a, __m512 x) { return _mm512_fmadd_ps(x, x, a); }, _mm512_set1_ps(1e-7f));
+}
+
+double fma256(int threads, int64_t iters) {
+  return peak<12, __m256>(threads, iters, 16.0,
+                          [](__m256 a, __m256 x) { return _mm256_fmadd_ps(x, x, a); }, _mm256_set1_ps(1e-7f));
+}
+
+__attribute__((target("avx512bf16,avx512f,avx512bw")))
+double dpbf16(int threads, int64_t iters) {
+  return peak<16, __m512>(threads, iters, 64.0,
+                          [](__m512 a, __m512 x) __attribute__((target("avx512bf16,avx512f"))) {
+                            return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)x);
+                          },
+                          _mm512_set1_ps(1e-7f));
+}
+
+// Bytes per second reading `bytes` (split over the threads) `passes` times inside one parallel
+// region (a small buffer is read many times, so the region's start-up cost does not count); best
+// of 5 after one warm-up.
+double read_bw(int threads, int64_t bytes, int passes) {
+  const int64_t n = bytes / 64 / (4 * threads) * (4 * threads);
+  std::vector<__m512i> buf(n);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) buf[i] = _mm512_set1_epi32((int)i);
+  double best = 0;
+  for (int rep = 0; rep <= 5; ++rep) {
+    long long sink = 0;
+    double t0 = 0, t1 = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      const int tid = omp_get_thread_num();
+      const int64_t lo = n / threads * tid, hi = lo + n / threads;
+      __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+#pragma omp barrier
+#pragma omp master
+      t0 = now();
+      for (int p = 0; p < passes; ++p) {
+        for (int64_t i = lo; i < hi; i += 4) {
+          a0 = _mm512_add_epi32(a0, buf[i]);
+          a1 = _mm512_add_epi32(a1, buf[i + 1]);
+          a2 = _mm512_add_epi32(a2, buf[i + 2]);
+          a3 = _mm512_add_epi32(a3, buf[i + 3]);
+        }
+        asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3));
+      }
+#pragma omp barrier
+#pragma omp master
+      t1 = now();
+      sink += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+    }
+    if (sink == 42) best += 1e-30;
+    if (rep > 0) best = std::max(best, (double)(n * 64) * passes / (t1 - t0));
+  }
+  return best;
+}
+"""
+
+FUNCTIONS = ["fma512", "fma256", "dpbf16", "read_bw"]
+
+
+def decode_case(batch: int, ctx: int) -> dict:
+    tokens = batch * ctx
+    flops = 2 * tokens * N * (L + R + L)
+    cache_bytes = tokens * (L + R) * 2  # bf16 latent + k_pe rows, each read once
+    return {"B": batch, "ctx": ctx, "gflop": flops / 1e9, "cache_mb": cache_bytes / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the numbers here")
+    args = parser.parse_args()
+    ext = load_inline(
+        "mla_cpu_floors", cpp_sources=SOURCE, functions=FUNCTIONS, extra_cflags=["-O2", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"], verbose=False,
+    )
+    t = args.threads
+    iters = 20_000_000
+    has_bf16 = "avx512_bf16" in open("/proc/cpuinfo").read()
+    peaks = {
+        "fp32_fma_512_gflops": ext.fma512(t, iters) / 1e9,
+        "fp32_fma_256_gflops": ext.fma256(t, iters) / 1e9,
+        "bf16_dot_512_gflops": ext.dpbf16(t, iters) / 1e9 if has_bf16 else None,
+        "read_dram_gbs": ext.read_bw(t, 1 << 30, 1) / 1e9,
+        "read_llc_4p7mb_gbs": ext.read_bw(t, 4_718_592, 100) / 1e9,
+    }
+    cases = []
+    for batch, ctx in ((1, 4096), (8, 4096), (1, 16384), (8, 16384)):
+        c = decode_case(batch, ctx)
+        fits_llc = c["cache_mb"] < 16  # well inside a 32 MB L3: stays there between steps
+        bw = peaks["read_llc_4p7mb_gbs"] if fits_llc else peaks["read_dram_gbs"]
+        c["memory_floor_ms"] = c["cache_mb"] / 1e3 / bw * 1e3
+        c["memory_level"] = "LLC" if fits_llc else "DRAM"
+        c["fp32_floor_ms"] = c["gflop"] / peaks["fp32_fma_512_gflops"] * 1e3
+        if peaks["bf16_dot_512_gflops"]:
+            c["bf16_floor_ms"] = c["gflop"] / peaks["bf16_dot_512_gflops"] * 1e3
+        cases.append(c)
+    print(f"threads: {t}")
+    for k, v in peaks.items():
+        print(f"  {k}: {v:.1f}" if v is not None else f"  {k}: n/a")
+    print(f"{'case':>12} {'GFLOP':>7} {'cache MB':>9} {'fp32 ms':>8} {'bf16 ms':>8} {'mem ms':>7} level")
+    for c in cases:
+        label = f"B={c['B']} ctx={c['ctx']}"
+        print(f"{label:>12} {c['gflop']:7.3f} {c['cache_mb']:9.1f} {c['fp32_floor_ms']:8.3f} "
+              f"{c.get('bf16_floor_ms', float('nan')):8.3f} {c['memory_floor_ms']:7.3f} {c['memory_level']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": t, "peaks": peaks, "cases": cases, "torch": torch.__version__,
+                       "time": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
