@@ -51,8 +51,10 @@ class HostKernel:
 HOST_KERNELS: dict[str, HostKernel] = {row.backend: row for row in (
     HostKernel(
         "CPU_MLA", "torch.ops._C.mla_decode_kvcache (vllm csrc/cpu/mla_decode.cpp)", "cpu", "cpu_native", True,
-        "cpu_native decode 1.2-2.1x the speed of vLLM's CPU_MLA kernel at 512-16k context, B=1 and 8, bf16 and "
-        "fp32, AVX2 and AVX-512 builds, on AVX-512 and AMX CPUs (`mla-ops bench ops --against vllm`)"),
+        "cpu_native decode 1.4-3.0x the speed of vLLM's CPU_MLA kernel at 4k context, B=1 and 8, bf16 and fp32, "
+        "AVX2 and AVX-512 builds, on an AVX-512 CPU (1.2-2.1x with the earlier kernel, also on an AMX CPU; "
+        "`mla-ops bench ops --against vllm`); 1.7x stock tokens/s in the engine at V2-Lite attention dims, 4k "
+        "context (`mla-ops bench vllm --preset v2-lite-attention`)"),
     HostKernel(
         "AMX_MLA", "torch.ops._C.decode_attention_cpu (SGLang's AMX decode, vllm csrc/cpu/sgl-kernels)", "cpu",
         "cpu_native", False,
