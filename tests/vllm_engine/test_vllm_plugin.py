@@ -214,6 +214,8 @@ def _decode_metadata(seq_lens, num_blocks, width, gen, block_size):
 #   P.V brgemm: each P_j moves by <= 2**-8 P_j (bf16's unit roundoff: 8 significant bits), and the
 #   normaliser is summed from the unrounded P, so o moves by <= 2**-8 * sum_j P_j |v_j| / sum_j P_j
 #   <= 2**-8 max|v|, on top of the output rounding above.
+# * mla-ops' bf16 kernel on CPUs with AVX512-BF16 rounds P to bf16 the same way (with the normaliser summed
+#   from the rounded P): another 2**-8 max|v| against either host kernel.
 FP32_NOISE = 2e-5
 
 
@@ -221,9 +223,8 @@ def _bound(kind, dtype, expected, cache):
     if dtype == torch.float32:
         return torch.full_like(expected, FP32_NOISE)
     bound = 2**-7 * expected.abs() + FP32_NOISE
-    if kind == "AMX_MLA":
-        bound = bound + 2**-8 * cache[..., :L].float().abs().max()
-    return bound
+    rounded_p = int(kind == "AMX_MLA") + int(torch.cpu._is_avx512_bf16_supported())  # sides rounding P to bf16
+    return bound + rounded_p * 2**-8 * cache[..., :L].float().abs().max()
 
 
 # (kind, dtype) pairs vLLM serves: AMX_MLA takes bfloat16 only (AMXMLABackend.supported_dtypes)
