@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 # The names a backend setting may take: "auto" and every backend's name. The backend layer supplies
 # them when it has defined its backends (`declare_backend_names`), so adding a backend module is all a
@@ -122,3 +122,20 @@ def use_backend(name: str) -> Iterator[None]:
         yield
     finally:
         set_backend(previous)
+
+
+@contextlib.contextmanager
+def environment_variable(name: str, value: Optional[str]) -> Iterator[None]:
+    """Set (or, with None, unset) the environment variable `name` inside the block; restored on exit."""
+    previous = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous

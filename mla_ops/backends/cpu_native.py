@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..settings import environment_variable
 from . import Backend
 
 ISAS = ("avx512", "avx2", "default")
@@ -143,20 +144,12 @@ def use_isa(isa: Optional[str]) -> Iterator[None]:
     dispatcher on entry and exit (the binding is made for one build, not looked up per call)."""
     from . import bind
 
-    previous = os.environ.get(ENV_ISA)
-    if isa is None:
-        os.environ.pop(ENV_ISA, None)
-    else:
-        os.environ[ENV_ISA] = isa
-    bind()
     try:
-        yield
+        with environment_variable(ENV_ISA, isa):
+            bind()
+            yield
     finally:
-        if previous is None:
-            os.environ.pop(ENV_ISA, None)
-        else:
-            os.environ[ENV_ISA] = previous
-        bind()
+        bind()  # after the variable is restored
 
 
 CPU_NATIVE = Backend("cpu_native", "C++ kernels (ATen vectorized, at::parallel_for) built with the package",

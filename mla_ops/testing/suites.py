@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import re
 from typing import Callable, ContextManager, Optional
 
@@ -101,22 +100,6 @@ class Variant:
         return self._run(op, sample)
 
 
-@contextlib.contextmanager
-def _environment(name: str, value: Optional[str]):
-    previous = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
 def backend_variant(name: str, *, label: Optional[str] = None, isa: Optional[str] = None) -> Variant:
     """`torch.ops.mla.<op>` with backend `name` requested explicitly (for a native build: that ISA)."""
     def reasons(op, sample):
@@ -126,7 +109,7 @@ def backend_variant(name: str, *, label: Optional[str] = None, isa: Optional[str
             build = cpu_native.unavailable_reason(isa)  # the backend's own answer is for the default build
             if build:
                 return [build]
-        with _environment("MLA_OPS_NATIVE_ISA", isa) if isa else contextlib.nullcontext():
+        with settings.environment_variable(cpu_native.ENV_ISA, isa) if isa else contextlib.nullcontext():
             return backends.BACKENDS[name].not_supported_reasons(op, *sample.args, **sample.kwargs)
 
     @contextlib.contextmanager

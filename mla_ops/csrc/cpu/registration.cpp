@@ -129,10 +129,19 @@ c10::IValue boxed(T&& value) {
   }
 }
 
-// A call the native kernel cannot serve: the reference kernel takes it (automatic choice), or it is
-// refused (this backend requested by name).
-template <typename Result, typename... Args>
+// Who is calling: the dispatcher (the op bound to this build) or a direct call of this build's module
+// (the caller chose the build, so nothing is handed on).
+enum class Caller { kDispatcher, kDirect };
+
+// A call the native kernel cannot serve. Direct calls are refused; through the dispatcher the reference
+// kernel takes it (automatic choice), or it is refused with the backend layer's text (this backend
+// requested by name).
+template <Caller caller, typename Result, typename... Args>
 Result not_served(BoundOp op, const Reasons& reasons, Args&&... args) {
+  if constexpr (caller == Caller::kDirect) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "mla.", kOpNames[op], ": the native kernel cannot serve this call: ",
+                                joined(reasons));
+  }
   const OpBinding& binding = g_bindings[op];
   TORCH_CHECK_NOT_IMPLEMENTED(!binding.demand, binding.refusal_head, joined(reasons), binding.refusal_tail);
   static thread_local std::array<std::optional<c10::OperatorHandle>, kNumOps> handles;
@@ -145,20 +154,23 @@ Result not_served(BoundOp op, const Reasons& reasons, Args&&... args) {
   if constexpr (!std::is_void_v<Result>) return c10::impl::PopResult<Result>::call(stack);
 }
 
-// ----------------------------------------------------------------------------- CPU-key kernels
-at::Tensor decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
-                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                      double softmax_scale) {
+// ------------------------------------------------------------------- the ops: checks, reasons, kernel
+template <Caller caller>
+at::Tensor serve_decode(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        double softmax_scale, bool validate_values = true) {
   check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale);
   const Reasons reasons = decode_reasons(q_latent, key_cache, value_cache);
   if (!reasons.empty()) {
-    return not_served<at::Tensor>(kDecode, reasons, q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                  softmax_scale);
+    return not_served<caller, at::Tensor>(kDecode, reasons, q_latent, q_pe, key_cache, value_cache, block_tables,
+                                          seq_lens, softmax_scale);
   }
-  return decode_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale, true);
+  return decode_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
+                          validate_values);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog_cpu(
+template <Caller caller>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> serve_kv_prolog(
     const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::optional<at::Tensor>& kv_a_bias,
     const at::Tensor& kv_norm_weight, const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin,
     int64_t num_heads, int64_t qk_nope_head_dim, int64_t v_head_dim, double eps, c10::string_view rope_layout,
@@ -167,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog_cpu(
                        qk_nope_head_dim, v_head_dim, eps, rope_layout, rope_compute_dtype);
   const Reasons reasons = prolog_reasons(hidden, cos, sin, rope_layout, rope_compute_dtype);
   if (!reasons.empty()) {
-    return not_served<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+    return not_served<caller, std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
         kKvProlog, reasons, hidden, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, num_heads,
         qk_nope_head_dim, v_head_dim, eps, std::string_view(rope_layout), std::string_view(rope_compute_dtype));
   }
@@ -175,21 +187,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog_cpu(
                    v_head_dim, eps, rope_layout == "interleaved");
 }
 
-std::tuple<at::Tensor, at::Tensor> latent_kv_prolog_cpu(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
-                                                        const std::optional<at::Tensor>& kv_a_bias,
-                                                        const at::Tensor& kv_norm_weight, const at::Tensor& cos,
-                                                        const at::Tensor& sin, double eps,
-                                                        c10::string_view rope_layout,
-                                                        c10::string_view rope_compute_dtype) {
+template <Caller caller>
+std::tuple<at::Tensor, at::Tensor> serve_latent_kv_prolog(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
+                                                          const std::optional<at::Tensor>& kv_a_bias,
+                                                          const at::Tensor& kv_norm_weight, const at::Tensor& cos,
+                                                          const at::Tensor& sin, double eps,
+                                                          c10::string_view rope_layout,
+                                                          c10::string_view rope_compute_dtype) {
   check_latent_kv_prolog_args(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout,
                               rope_compute_dtype);
   const Reasons reasons = prolog_reasons(hidden, cos, sin, rope_layout, rope_compute_dtype);
   if (!reasons.empty()) {
-    return not_served<std::tuple<at::Tensor, at::Tensor>>(kLatentKvProlog, reasons, hidden, kv_a_weight, kv_a_bias,
-                                                          kv_norm_weight, cos, sin, eps, std::string_view(rope_layout),
-                                                          std::string_view(rope_compute_dtype));
+    return not_served<caller, std::tuple<at::Tensor, at::Tensor>>(
+        kLatentKvProlog, reasons, hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps,
+        std::string_view(rope_layout), std::string_view(rope_compute_dtype));
   }
   return latent_kv_prolog(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout == "interleaved");
+}
+
+// ----------------------------------------------------------------------------- CPU-key kernels
+// (the schema's signatures; gather and scatter have no reasons, so the direct calls are the same)
+at::Tensor decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                      double softmax_scale) {
+  return serve_decode<Caller::kDispatcher>(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
+                                           softmax_scale);
 }
 
 void gather_cpu(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -252,8 +274,8 @@ void autograd_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch
 void register_cpu_kernel(torch::Library& library, BoundOp op) {
   switch (op) {
     case kDecode: library.impl(kOpNames[op], TORCH_FN(decode_cpu)); break;
-    case kKvProlog: library.impl(kOpNames[op], TORCH_FN(kv_prolog_cpu)); break;
-    case kLatentKvProlog: library.impl(kOpNames[op], TORCH_FN(latent_kv_prolog_cpu)); break;
+    case kKvProlog: library.impl(kOpNames[op], TORCH_FN(serve_kv_prolog<Caller::kDispatcher>)); break;
+    case kLatentKvProlog: library.impl(kOpNames[op], TORCH_FN(serve_latent_kv_prolog<Caller::kDispatcher>)); break;
     case kGather: library.impl(kOpNames[op], TORCH_FN(gather_cpu)); break;
     case kGatherFunctional: library.impl(kOpNames[op], TORCH_FN(gather_functional_cpu)); break;
     case kScatter: library.impl(kOpNames[op], TORCH_FN(scatter_cpu)); break;
@@ -296,20 +318,11 @@ std::string registration_file() { return __FILE__; }
 // --------------------------------------------------------------- direct calls (no dispatcher)
 // What `mla_ops.backends.cpu_native`'s Python kernels call: the same checks and kernels, with a call
 // the kernel cannot serve refused rather than handed on (the caller chose this build explicitly).
-namespace {
-void refuse(const char* op, const Reasons& reasons) {
-  TORCH_CHECK_NOT_IMPLEMENTED(reasons.empty(), "mla.", op, ": the native kernel cannot serve this call: ",
-                              joined(reasons));
-}
-}  // namespace
-
 at::Tensor call_decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double softmax_scale, bool validate_values) {
-  check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale);
-  refuse(kOpNames[kDecode], decode_reasons(q_latent, key_cache, value_cache));
-  return decode_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
-                          validate_values);
+  return serve_decode<Caller::kDirect>(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
+                                       validate_values);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_kv_prolog(
@@ -317,11 +330,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_kv_prolog(
     const at::Tensor& kv_norm_weight, const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin,
     int64_t num_heads, int64_t qk_nope_head_dim, int64_t v_head_dim, double eps, const std::string& rope_layout,
     const std::string& rope_compute_dtype) {
-  check_kv_prolog_args(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, num_heads,
-                       qk_nope_head_dim, v_head_dim, eps, rope_layout, rope_compute_dtype);
-  refuse(kOpNames[kKvProlog], prolog_reasons(hidden, cos, sin, rope_layout, rope_compute_dtype));
-  return kv_prolog(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin, num_heads, qk_nope_head_dim,
-                   v_head_dim, eps, rope_layout == "interleaved");
+  return serve_kv_prolog<Caller::kDirect>(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, kv_b_weight, cos, sin,
+                                          num_heads, qk_nope_head_dim, v_head_dim, eps, rope_layout,
+                                          rope_compute_dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_latent_kv_prolog(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
@@ -330,10 +341,8 @@ std::tuple<at::Tensor, at::Tensor> call_latent_kv_prolog(const at::Tensor& hidde
                                                          const at::Tensor& sin, double eps,
                                                          const std::string& rope_layout,
                                                          const std::string& rope_compute_dtype) {
-  check_latent_kv_prolog_args(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout,
-                              rope_compute_dtype);
-  refuse(kOpNames[kLatentKvProlog], prolog_reasons(hidden, cos, sin, rope_layout, rope_compute_dtype));
-  return latent_kv_prolog(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout == "interleaved");
+  return serve_latent_kv_prolog<Caller::kDirect>(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps,
+                                                 rope_layout, rope_compute_dtype);
 }
 
 void call_gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
