@@ -15,11 +15,15 @@ from .ops import (
     gather_pa_kv_cache_into,
     kv_prolog,
     latent_kv_prolog,
+    lightning_indexer,
     mla_decode_attention,
     q_prolog,
     rms_norm,
     rope,
+    scatter_pa_cache,
     scatter_pa_kv_cache,
+    sparse_mla_attention,
+    to_global_slots,
 )
 from .settings import set_backend, use_backend
 
@@ -39,4 +43,5 @@ __all__ = [
     "backends", "settings", "explain", "patch_deepseek_v2", "set_backend", "use_backend",
     "rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog",
     "scatter_pa_kv_cache", "gather_pa_kv_cache", "gather_pa_kv_cache_into", "mla_decode_attention",
+    "scatter_pa_cache", "lightning_indexer", "sparse_mla_attention", "to_global_slots",
 ]

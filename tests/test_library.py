@@ -15,7 +15,8 @@ from mla_ops._library import OPS
 from utils import SMALL, prolog_inputs, prolog_kwargs
 
 ALL_OPS = ("rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog", "scatter_pa_kv_cache",
-           "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "mla_decode_attention")
+           "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "mla_decode_attention", "scatter_pa_cache",
+           "lightning_indexer", "sparse_mla_attention")
 
 
 def test_the_op_table_is_derived_from_the_op_modules():

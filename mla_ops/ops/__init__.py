@@ -17,10 +17,12 @@ from .kv_prolog import kv_prolog, latent_kv_prolog
 from .q_prolog import q_prolog
 from .rms_norm import rms_norm
 from .rope import rope
-from .scatter_pa_kv_cache import scatter_pa_kv_cache
+from .scatter_pa_kv_cache import scatter_pa_cache, scatter_pa_kv_cache
+from .sparse_attention import lightning_indexer, sparse_mla_attention, to_global_slots
 
 for _module in _pkgutil.iter_modules(__path__):  # the op modules without a public wrapper here
     _importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog", "scatter_pa_kv_cache", "gather_pa_kv_cache",
-           "gather_pa_kv_cache_into", "mla_decode_attention"]
+           "gather_pa_kv_cache_into", "mla_decode_attention", "scatter_pa_cache", "lightning_indexer",
+           "sparse_mla_attention", "to_global_slots"]

@@ -56,6 +56,27 @@ def first_bad(mask: Tensor) -> int:
     return int(torch.nonzero(mask)[0, 0])
 
 
+def check_used_block_ids(op: str, block_tables: Tensor, used: list[int], num_blocks: int) -> None:
+    """Every block id row b uses (its first `used[b]` columns) lies in [0, num_blocks).
+
+    Runs on every CPU call: when every row uses the same number of columns one min/max over that
+    window decides; the offending entry is located only once something is wrong."""
+    if not used or max(used) == 0:
+        return
+    window = block_tables[:, :max(used)]
+    if min(used) == max(used):
+        lowest, highest = (int(v) for v in torch.aminmax(window))
+        if lowest >= 0 and highest < num_blocks:
+            return
+    tables = window.cpu().long()
+    in_use = torch.arange(tables.shape[1])[None, :] < torch.tensor(used)[:, None]
+    bad = in_use & ((tables < 0) | (tables >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"mla.{op}: block_tables[{b}, {j}] = {int(tables[b, j])} is used by sequence {b} "
+                         f"but is not a block id in [0, {num_blocks})")
+
+
 # ---------------------------------------------------------------------------- addressing helpers
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 

@@ -33,7 +33,7 @@ from .._checks import (
     memo_by_signature,
 )
 from .._library import define_op
-from ._paged import check_cache_pair, validates_on_host
+from ._paged import check_cache_pair, check_used_block_ids, validates_on_host
 
 OP = "mla_decode_attention"
 
@@ -91,18 +91,7 @@ def check_decode_values(block_tables: Tensor, seq_lens: Tensor, num_blocks: int,
             raise ValueError(f"mla.{OP}: seq_lens[{b}] = {n} exceeds the block table's capacity "
                              f"({block_tables.shape[1]} blocks x {block_size} tokens)")
     used = [-(-n // block_size) for n in lens]
-    window = block_tables[:, :max(used)]
-    if min(used) == max(used):  # every row uses the whole window: one min/max decides
-        lowest, highest = (int(v) for v in torch.aminmax(window))
-        if lowest >= 0 and highest < num_blocks:
-            return max(lens)
-    tables = window.cpu().long()
-    in_use = torch.arange(tables.shape[1])[None, :] < torch.tensor(used)[:, None]
-    bad = in_use & ((tables < 0) | (tables >= num_blocks))
-    if bool(bad.any()):
-        b, j = (int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"mla.{OP}: block_tables[{b}, {j}] = {int(tables[b, j])} is used by sequence {b} "
-                         f"but is not a block id in [0, {num_blocks})")
+    check_used_block_ids(OP, block_tables, used, num_blocks)
     return max(lens)
 
 

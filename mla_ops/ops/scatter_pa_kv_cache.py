@@ -1,4 +1,5 @@
-"""`mla::scatter_pa_kv_cache`: write token rows into paged caches, in place.
+"""`mla::scatter_pa_kv_cache` (a cache pair) and `mla::scatter_pa_cache` (one pool, e.g. the sparse
+indexer's key cache): write token rows into paged caches, in place.
 
     key_cache[slot // block_size, slot % block_size] = key[t]     (the same for value)
 
@@ -25,9 +26,18 @@ from .._checks import (
     memo_by_signature,
 )
 from .._library import define_op
-from ._paged import check_cache_pair, check_token_tensor, first_bad, slot_index, validates_on_host, wide_rows
+from ._paged import (
+    CACHE_LAYOUT,
+    check_cache_pair,
+    check_token_tensor,
+    first_bad,
+    slot_index,
+    validates_on_host,
+    wide_rows,
+)
 
 OP = "scatter_pa_kv_cache"
+ONE_POOL = "scatter_pa_cache"
 
 
 # ----------------------------------------------------------------------------------------- checks
@@ -48,19 +58,39 @@ def check_scatter_pa_kv_cache_args(key, value, key_cache, value_cache, slot_mapp
     check_writable_layout(OP, "value_cache", value_cache)
 
 
-def check_scatter_values(slot_mapping: Tensor, num_slots: int) -> Tensor:
+@memo_by_signature
+def check_scatter_pa_cache_args(key, cache, slot_mapping) -> None:
+    """key [T, H, D], cache [NB, bs, H, D], slot_mapping [T] int32/int64."""
+    op = ONE_POOL
+    check_rank(op, "cache", cache, 4, CACHE_LAYOUT)
+    torch._check(cache.shape[0] >= 1, lambda: f"mla.{op}: cache needs at least one block (dim 0), got 0")
+    torch._check(cache.shape[1] >= 1, lambda: f"mla.{op}: block_size (cache dim 1) must be >= 1, got 0")
+    check_token_tensor(op, "key", key, "cache", cache)
+    check_index(op, "slot_mapping", slot_mapping)
+    check_rank(op, "slot_mapping", slot_mapping, 1, "[tokens]")
+    check_size(op, "slot_mapping", slot_mapping.shape[0], key.shape[0],
+               "length must equal the token count of key (use a negative slot for padding tokens)")
+    check_same_device(op, {"key": key, "cache": cache, "slot_mapping": slot_mapping})
+    check_writable_layout(op, "cache", cache)
+
+
+def check_scatter_values(slot_mapping: Tensor, num_slots: int, op: str = OP) -> Tensor:
     """Slots must be < num_blocks * block_size (negative = padding). Returns the kept-token mask."""
     slots = slot_mapping.cpu()
     too_big = slots >= num_slots
     if bool(too_big.any()):
         i = first_bad(too_big)
-        raise ValueError(f"mla.{OP}: slot_mapping[{i}] = {int(slots[i])} is outside the cache "
+        raise ValueError(f"mla.{op}: slot_mapping[{i}] = {int(slots[i])} is outside the cache "
                          f"(num_blocks * block_size = {num_slots} slots); use a negative slot for padding")
     return slots >= 0
 
 
 def _scatter_pa_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:
     check_scatter_pa_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _scatter_pa_cache_fake(key, cache, slot_mapping) -> None:
+    check_scatter_pa_cache_args(key, cache, slot_mapping)
 
 
 # -------------------------------------------------------------------------------------- reference
@@ -123,23 +153,30 @@ def _scatter_rows(cache: Tensor, slots: Tensor, src: Tensor) -> None:
 
 
 def scatter_sync_free(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Device path of the pair scatter (see `scatter_pools_sync_free`)."""
+    scatter_pools_sync_free(((key, key_cache), (value, value_cache)), slot_mapping)
+
+
+def scatter_pools_sync_free(pairs, slot_mapping) -> None:
     """Device path, no host sync: padding (negative) and out-of-range slots write nothing.
+    `pairs`: ((rows [T, H, D], cache [NB, bs, H, D]), ...), all addressed by one slot mapping.
 
     Skipped tokens are redirected to the slot of the first kept token with that token's own data,
     so the duplicate writes are identical; with no kept token at all, slot 0 is rewritten with its
     own contents. Either way no memory is touched out of bounds.
     """
-    num_tokens = key.shape[0]
+    first, first_cache = pairs[0]
+    num_tokens = first.shape[0]
     if num_tokens == 0:
         return
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    num_slots = first_cache.shape[0] * first_cache.shape[1]
     slots = slot_mapping.long()
     kept = (slots >= 0) & (slots < num_slots)
     any_kept = kept.any()
     first_kept = torch.argmax(kept.to(torch.int8))
-    token = torch.where(kept, torch.arange(num_tokens, device=key.device), first_kept)
+    token = torch.where(kept, torch.arange(num_tokens, device=first.device), first_kept)
     dst = torch.where(any_kept, slots[token], 0)
-    for src, cache in ((key, key_cache), (value, value_cache)):
+    for src, cache in pairs:
         rows = torch.where(any_kept, src[token], cache[0, 0].unsqueeze(0))
         cache.index_put_(slot_index(cache, dst), rows)
 
@@ -157,6 +194,22 @@ def scatter_pa_kv_cache_reference(key: Tensor, value: Tensor, key_cache: Tensor,
     _scatter_rows(value_cache, slots, value)
 
 
+def scatter_pa_cache_sync_free(key, cache, slot_mapping) -> None:
+    """Device path of the one-pool scatter (see `scatter_pools_sync_free`)."""
+    scatter_pools_sync_free(((key, cache),), slot_mapping)
+
+
+def scatter_pa_cache_reference(key: Tensor, cache: Tensor, slot_mapping: Tensor) -> None:
+    if cache.device.type != "cpu":
+        scatter_pa_cache_sync_free(key, cache, slot_mapping)
+        return
+    kept = check_scatter_values(slot_mapping, cache.shape[0] * cache.shape[1], ONE_POOL)
+    slots = slot_mapping.long()
+    if not bool(kept.all()):
+        slots, key = slots[kept], key[kept]
+    _scatter_rows(cache, slots, key)
+
+
 # Mutating ops return `()` (never the mutated input), which is what torch.compile's
 # auto-functionalization and torch_npu's own paged-cache ops expect.
 SCATTER_PA_KV_CACHE = define_op(
@@ -165,8 +218,13 @@ SCATTER_PA_KV_CACHE = define_op(
     check=check_scatter_pa_kv_cache_args, fake=_scatter_pa_kv_cache_fake, reference=scatter_pa_kv_cache_reference,
 )
 
+SCATTER_PA_CACHE = define_op(
+    "scatter_pa_cache(Tensor key, Tensor(a!) cache, Tensor slot_mapping) -> ()",
+    check=check_scatter_pa_cache_args, fake=_scatter_pa_cache_fake, reference=scatter_pa_cache_reference,
+)
 
-# ---------------------------------------------------------------------------------- public wrapper
+
+# --------------------------------------------------------------------------------- public wrappers
 def scatter_pa_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                         slot_mapping: Tensor, *, validate: bool = False) -> None:
     """Write token rows into paged caches in place: `cache[slot // bs, slot % bs] = row`.
@@ -182,3 +240,14 @@ def scatter_pa_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cac
         check_scatter_pa_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)  # values index by shapes
         check_scatter_values(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
     torch.ops.mla.scatter_pa_kv_cache.default(key, value, key_cache, value_cache, slot_mapping)
+
+
+def scatter_pa_cache(key: Tensor, cache: Tensor, slot_mapping: Tensor, *, validate: bool = False) -> None:
+    """Write token rows into one paged pool in place: `cache[slot // bs, slot % bs] = key[t]`.
+
+    The sparse indexer's key cache is such a pool: `key [T, 1, D]`, `cache [num_blocks, block_size, 1, D]`
+    (bf16, D = 128: 256 bytes per token). Slots and `validate` as for `scatter_pa_kv_cache`."""
+    if validates_on_host(validate, cache):
+        check_scatter_pa_cache_args(key, cache, slot_mapping)
+        check_scatter_values(slot_mapping, cache.shape[0] * cache.shape[1], ONE_POOL)
+    torch.ops.mla.scatter_pa_cache.default(key, cache, slot_mapping)

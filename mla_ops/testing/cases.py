@@ -29,7 +29,9 @@ from torch import Tensor
 from .. import _library
 from ..ops.decode_attention import decode_sync_free
 from ..ops.gather_pa_kv_cache import gather_sync_free
-from ..ops.scatter_pa_kv_cache import scatter_sync_free
+from ..ops.scatter_pa_kv_cache import scatter_pa_cache_sync_free, scatter_sync_free
+from ..ops.sparse_attention import INDEXER as INDEXER_OP
+from ..ops.sparse_attention import SPARSE as SPARSE_OP
 from . import oracles
 from .inputs import LITE, PREFILL, SMALL, Dims, paged_case, prolog_inputs, prolog_kwargs, rope_tables, split_pool
 
@@ -665,3 +667,233 @@ _register(OpCases("mla_decode_attention", _decode_samples, oracles.mla_decode_at
                   # scores and softmax in fp32, P rounded to the activation dtype before P @ latent
                   bounds=_eps_bounds(64, 2, 2), paths={"sync-free": decode_sync_free},
                   selftest=("v2lite-ragged", "v2lite-block-128")))
+
+
+# -------------------------------------------------------------------------------------- sparse MLA
+def _requests(seq_lens: list[int], q_lens: list[int], block_size: int, *, spare_blocks: int = 2, seed: int = 0):
+    """(block_tables, seq_lens, query_start_loc, num_blocks) for requests holding `seq_lens` cached
+    tokens of which the last `q_lens` are this call's query tokens."""
+    need = sum(-(-n // block_size) for n in seq_lens)
+    _, _, tables, _, _ = paged_case(need + spare_blocks, block_size, seq_lens, key_shape=(1, 1), value_shape=(1, 1),
+                                    dtype=torch.float32, seed=seed)
+    starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+    return tables, torch.tensor(seq_lens, dtype=torch.int32), starts, need + spare_blocks
+
+
+def _grid(*shape, dtype, seed, low=-2, high=2) -> Tensor:
+    """Small integers: every product and sum of the indexer's scores is exact in fp32 whatever the
+    summation order, so each kernel's top-k (ties included) must equal the oracle's bit for bit."""
+    return torch.randint(low, high + 1, shape, generator=_gen(seed)).to(dtype)
+
+
+def _indexer_sample(name, dtype, seq_lens, q_lens, *, heads=4, dim=16, block_size=4, topk=5, weights_dtype=None,
+                    view=False, int64=False, zero_q=False, seed=0) -> Sample:
+    tables, lens, starts, num_blocks = _requests(seq_lens, q_lens, block_size, seed=seed)
+    tokens = int(starts[-1])
+    k_cache = _grid(num_blocks, block_size, 1, 2 * dim if view else dim, dtype=dtype, seed=seed + 1)[..., :dim]
+    q = _grid(tokens, heads, dim, dtype=dtype, seed=seed + 2) * (0 if zero_q else 1)
+    weights = _grid(tokens, heads, dtype=weights_dtype or torch.float32, seed=seed + 3)
+    if int64:
+        tables, lens, starts = tables.long(), lens.long(), starts.long()
+    return Sample(name, (q, weights, k_cache, tables, lens, starts, topk, 2.0 ** -2))
+
+
+def _indexer_samples(dtype):
+    mixed = ([7, 12, 10], [7, 1, 3])  # a prefill from 0, a decode step, a chunk continuing a prefill
+    return [
+        _indexer_sample("prefill-decode-chunk", dtype, *mixed),
+        _indexer_sample("topk-wider-than-context", dtype, *mixed, topk=32),
+        _indexer_sample("weights-in-activation-dtype", dtype, *mixed, weights_dtype=dtype, seed=4),
+        _indexer_sample("strided-key-pool-int64", dtype, *mixed, view=True, int64=True, seed=8),
+        _indexer_sample("all-ties-lowest-positions-first", dtype, [9, 6], [2, 6], zero_q=True),
+        _indexer_sample("block-size-1-idle-request", dtype, [5, 3, 4], [5, 0, 1], block_size=1, seed=12),
+        _indexer_sample("no-tokens", dtype, [3, 0], [0, 0]),
+        # DeepSeek-V3.2's indexer (64 heads x 128, top-2048) past the top-k: the choice matters
+        _indexer_sample("v32-dims", dtype, [2100, 40], [1, 3], heads=64, dim=128, block_size=64, topk=2048,
+                        seed=16),
+    ]
+
+
+def _request_errors(op: str, call):
+    """The errors every sparse op shares on the request layout (block tables 2 x 3, block size 4, pool 6)."""
+    i32 = torch.int32
+    return [
+        ErrorInput("tables-dtype", call(block_tables=torch.zeros(2, 3)), "block_tables",
+                   rf"{op}: block_tables must be an int32"),
+        ErrorInput("seq_lens-length", call(seq_lens=torch.tensor([9])), "seq_lens",
+                   rf"{op}: seq_lens length must equal the number of block-table rows"),
+        ErrorInput("query_start_loc-length", call(query_start_loc=torch.tensor([0, 3])), "query_start_loc",
+                   rf"{op}: query_start_loc must have one entry per request plus one"),
+        ErrorInput("query_start_loc-start", call(query_start_loc=torch.tensor([1, 2, 3], dtype=i32)), "query_start_loc",
+                   r"query_start_loc must start at 0, got query_start_loc\[0\] = 1", ValueError),
+        ErrorInput("query_start_loc-decreasing", call(query_start_loc=torch.tensor([0, 3, 2], dtype=i32)),
+                   "query_start_loc", r"query_start_loc must never decrease, but query_start_loc\[2\] = 2",
+                   ValueError),
+        ErrorInput("query_start_loc-end", call(query_start_loc=torch.tensor([0, 1, 2], dtype=i32)), "query_start_loc",
+                   r"query_start_loc\[-1\] = 2 must equal the number of query tokens \(3\)", ValueError),
+        ErrorInput("fewer-cached-than-queries", call(seq_lens=torch.tensor([9, 1], dtype=i32)), "seq_lens",
+                   r"seq_lens\[1\] = 1 is less than the request's 2 query tokens", ValueError),
+        ErrorInput("past-capacity", call(seq_lens=torch.tensor([13, 2], dtype=i32)), "seq_lens",
+                   r"seq_lens\[0\] = 13 exceeds the block table's capacity \(3 blocks x 4 tokens\)", ValueError),
+        ErrorInput("length-near-2**63", call(seq_lens=torch.tensor([2**63 - 1, 2])), "seq_lens",
+                   r"seq_lens\[0\] = 9223372036854775807 exceeds the block table's capacity", ValueError),
+        ErrorInput("block-id", call(block_tables=torch.tensor([[0, 1, 6], [3, -1, -1]], dtype=i32)), "block_tables",
+                   r"block_tables\[0, 2\] = 6 is used by sequence 0 but is not a block id in \[0, 6\)", ValueError),
+        ErrorInput("block-id-near--2**63", call(block_tables=torch.tensor([[0, 1, 2], [-(2**63), 0, 0]])),
+                   "block_tables", r"block_tables\[1, 0\] = -9223372036854775808 is used by sequence 1", ValueError),
+    ]
+
+
+def _request_base():
+    """Two requests: 9 cached tokens (1 query token), 2 cached (2 query tokens); block size 4, 6 blocks."""
+    return dict(block_tables=torch.tensor([[0, 1, 2], [3, -1, -1]], dtype=torch.int32),
+                seq_lens=torch.tensor([9, 2], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32))
+
+
+def _indexer_errors():
+    op = INDEXER_OP
+    requests = _request_base()
+    base = dict(q=torch.randn(3, 4, 8), weights=torch.randn(3, 4), k_cache=torch.randn(6, 4, 1, 8), **requests,
+                topk=4, softmax_scale=0.5)
+
+    def call(**changes):
+        return Sample("", tuple(dict(base, **changes).values()))
+
+    return [
+        ErrorInput("q-rank", call(q=torch.randn(3, 32)), "q", rf"{op}: q must be 3-D"),
+        ErrorInput("weights-dtype", call(weights=torch.ones(3, 4, dtype=torch.int32)), "weights",
+                   rf"{op}: weights must be float32"),
+        ErrorInput("weights-other-half-dtype", call(weights=torch.ones(3, 4, dtype=torch.float16)), "weights",
+                   rf"{op}: weights must be float32 or q's dtype torch.float32, got torch.float16"),
+        ErrorInput("weights-heads", call(weights=torch.randn(3, 5)), "weights", rf"{op}: weights heads .* must equal"),
+        ErrorInput("k_cache-dim", call(k_cache=torch.randn(6, 4, 1, 7)), "k_cache",
+                   rf"{op}: k_cache dim .* must equal index_head_dim"),
+        ErrorInput("k_cache-heads", call(k_cache=torch.randn(6, 4, 2, 8)), "k_cache", rf"{op}: k_cache heads"),
+        ErrorInput("k_cache-dtype", call(k_cache=torch.randn(6, 4, 1, 8).half()), "k_cache",
+                   rf"{op}: k_cache has dtype torch.float16 but q"),
+        ErrorInput("topk-zero", call(topk=0), "topk", rf"{op}: topk must be >= 1"),
+        ErrorInput("scale-nan", call(softmax_scale=float("nan")), "softmax_scale",
+                   rf"{op}: softmax_scale must be a finite positive"),
+        *_request_errors(op, call),
+    ]
+
+
+def _sparse_sample(name, d: Dims, dtype, seq_lens, q_lens, *, topk, block_size=4, view=False, int64=False,
+                   seed=0) -> Sample:
+    """Each token lists `topk` entries: distinct positions it can see in a shuffled order, -1 mixed in
+    (and a token of each request lists nothing when its request has 2 or more tokens)."""
+    tables, lens, starts, num_blocks = _requests(seq_lens, q_lens, block_size, seed=seed)
+    tokens = int(starts[-1])
+    if view:
+        _, kc, vc = split_pool(num_blocks, block_size, d.L, d.R, dtype, seed=seed + 1)
+    else:
+        kc, vc, *_ = paged_case(num_blocks, block_size, [1], key_shape=(1, d.L), value_shape=(1, d.R), dtype=dtype,
+                                seed=seed + 1)
+    g = _gen(seed + 2)
+    indices = torch.full((tokens, topk), -1, dtype=torch.int64)
+    t = 0
+    for n, q_len in zip(seq_lens, q_lens):
+        for i in range(q_len):
+            if q_len > 1 and i == 1:  # lists nothing: zeros
+                t += 1
+                continue
+            seen = n - q_len + i + 1
+            keep = torch.randperm(seen, generator=g)[: max(topk - 1, 0)]
+            slots = torch.randperm(topk, generator=g)[: keep.shape[0]]
+            indices[t, slots] = keep
+            t += 1
+    q_latent = _randn(tokens, d.N, d.L, dtype=dtype, seed=seed + 3)
+    q_pe = _randn(tokens, d.N, d.R, dtype=dtype, seed=seed + 4)
+    if int64:
+        tables, lens, starts = tables.long(), lens.long(), starts.long()
+    else:
+        indices = indices.int()
+    return Sample(name, (q_latent, q_pe, kc, vc, tables, lens, starts, indices, (d.P + d.R) ** -0.5))
+
+
+def _sparse_samples(dtype):
+    d = SMALL
+    mixed = ([7, 12, 10], [7, 1, 3])
+    v32 = dataclasses.replace(LITE, N=16, L=512, R=64)  # DeepSeek-V3.2's latent and rope dims, 16 heads
+    return [
+        _sparse_sample("prefill-decode-chunk", d, dtype, *mixed, topk=5),
+        _sparse_sample("split-pool-views-int64", d, dtype, *mixed, topk=6, view=True, int64=True, seed=4),
+        _sparse_sample("block-size-1", d, dtype, [6, 3], [2, 1], topk=4, block_size=1, seed=8),
+        _sparse_sample("topk-width-0", d, dtype, [5], [1], topk=0),
+        _sparse_sample("no-tokens", d, dtype, [3, 0], [0, 0], topk=3),
+        _sparse_sample("v32-dims-top-2048", v32, dtype, [2100, 40], [1, 2], topk=2048, block_size=64, seed=12),
+    ]
+
+
+def _sparse_errors():
+    op = SPARSE_OP
+    requests = _request_base()
+    base = dict(q_latent=torch.randn(3, 2, 8), q_pe=torch.randn(3, 2, 4), key_cache=torch.randn(6, 4, 1, 8),
+                value_cache=torch.randn(6, 4, 1, 4), **requests,
+                topk_indices=torch.tensor([[0, 8, -1], [0, -1, -1], [1, 0, -1]], dtype=torch.int32),
+                softmax_scale=0.5)
+
+    def call(**changes):
+        return Sample("", tuple(dict(base, **changes).values()))
+
+    return [
+        ErrorInput("key_cache-heads", call(key_cache=torch.randn(6, 4, 2, 8)), "key_cache",
+                   rf"{op}: key_cache heads .* must be 1"),
+        ErrorInput("value_cache-dim", call(q_pe=torch.randn(3, 2, 5)), "value_cache",
+                   rf"{op}: value_cache dim .* must equal rope_dim"),
+        ErrorInput("q_pe-dtype", call(q_pe=torch.randn(3, 2, 4).double()), "q_pe", rf"{op}: q_pe has dtype"),
+        ErrorInput("indices-dtype", call(topk_indices=torch.zeros(3, 3)), "topk_indices",
+                   rf"{op}: topk_indices must be an int32"),
+        ErrorInput("indices-rows", call(topk_indices=torch.zeros(2, 3, dtype=torch.int32)), "topk_indices",
+                   rf"{op}: topk_indices tokens .* must equal q_latent's"),
+        ErrorInput("scale-zero", call(softmax_scale=0.0), "softmax_scale", rf"{op}: softmax_scale must be a finite"),
+        *_request_errors(op, call),
+        ErrorInput("index-past-length", call(topk_indices=torch.tensor([[0, 9, -1], [0, -1, -1], [1, 0, -1]])),
+                   "topk_indices", r"topk_indices\[0, 1\] = 9 is not a position of request 0 \(its 9 cached tokens\)",
+                   ValueError),
+        ErrorInput("index-below--1", call(topk_indices=torch.tensor([[0, -1, -1], [0, -1, -1], [1, -2, -1]])),
+                   "topk_indices", r"topk_indices\[2, 1\] = -2 is not a position of request 1", ValueError),
+        ErrorInput("index-near-2**63", call(topk_indices=torch.tensor([[0, -1, -1], [2**63 - 1, -1, -1],
+                                                                        [1, 0, -1]])),
+                   "topk_indices", r"topk_indices\[1, 0\] = 9223372036854775807 is not a position of request 1",
+                   ValueError),
+    ]
+
+
+def _scatter_one_pool_samples(dtype):
+    return [dataclasses.replace(s, args=(s.args[0], s.args[2], s.args[4])) for s in _scatter_samples(dtype)]
+
+
+def _scatter_one_pool_errors():
+    cache = torch.zeros(4, 4, 1, 8)
+    base = dict(key=torch.randn(3, 1, 8), cache=cache, slot_mapping=torch.tensor([0, 5, -1]))
+
+    def call(**changes):
+        return Sample("", tuple(dict(base, **changes).values()))
+
+    op = "scatter_pa_cache"
+    return [
+        ErrorInput("cache-overlapping", call(cache=torch.zeros(1, 4, 1, 8).expand(4, 4, 1, 8)), "cache",
+                   rf"{op}: cache has overlapping memory"),
+        ErrorInput("cache-rank", call(cache=torch.zeros(16, 1, 8)), "cache", rf"{op}: cache must be 4-D"),
+        ErrorInput("key-dim", call(key=torch.randn(3, 1, 7)), "key", rf"{op}: key head dim .* must equal cache"),
+        ErrorInput("key-dtype", call(key=torch.randn(3, 1, 8).half()), "key", rf"{op}: key has dtype torch.float16"),
+        ErrorInput("slots-length", call(slot_mapping=torch.tensor([0, 1])), "slot_mapping",
+                   rf"{op}: slot_mapping length must equal the token count of key"),
+        ErrorInput("slot-outside", call(slot_mapping=torch.tensor([0, 16, -1])), "slot_mapping",
+                   r"scatter_pa_cache: slot_mapping\[1\] = 16 is outside the cache", ValueError),
+        ErrorInput("slot-near-2**63", call(slot_mapping=torch.tensor([0, -1, 2**63 - 1])), "slot_mapping",
+                   r"slot_mapping\[2\] = 9223372036854775807 is outside the cache", ValueError),
+    ]
+
+
+_register(OpCases("lightning_indexer", _indexer_samples, oracles.lightning_indexer_oracle, _indexer_errors,
+                  bounds=EXACT, selftest=("prefill-decode-chunk", "v32-dims")))
+_register(OpCases("sparse_mla_attention", _sparse_samples, oracles.sparse_mla_attention_oracle, _sparse_errors,
+                  # as mla_decode_attention: fp32 scores and softmax, P rounded to the activation dtype
+                  bounds=_eps_bounds(64, 2, 2), selftest=("prefill-decode-chunk", "v32-dims-top-2048")))
+_register(OpCases("scatter_pa_cache", _scatter_one_pool_samples, oracles.scatter_pa_cache_oracle,
+                  _scatter_one_pool_errors, bounds=EXACT, paths={"sync-free": scatter_pa_cache_sync_free},
+                  selftest=("padding", "v2lite")))

@@ -157,3 +157,58 @@ def mla_decode_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_ta
         out[b] = torch.softmax(scores, dim=-1) @ latent
     return (out,)
 
+
+
+# ------------------------------------------------------------------------------------ sparse MLA
+def _request_tokens(seq_lens, query_start_loc):
+    """Per query token t: (request b, position p, seq_len n), from the host lists."""
+    starts, lens = [int(v) for v in query_start_loc], [int(v) for v in seq_lens]
+    tokens = []
+    for b, n in enumerate(lens):
+        q_len = starts[b + 1] - starts[b]
+        tokens += [(b, n - q_len + i, n) for i in range(q_len)]
+    return tokens
+
+
+def _cached_row(cache, block_tables, b: int, j: int):
+    block_size = cache.shape[1]
+    return _f64(cache[int(block_tables[b, j // block_size]), j % block_size, 0])
+
+
+def scatter_pa_cache_oracle(key, cache, slot_mapping):
+    """-> (cache,) after cache[s // bs, s % bs] = key[t] for every slot s >= 0."""
+    block_size = cache.shape[1]
+    cache = cache.detach().cpu().clone()
+    for t, slot in enumerate(int(s) for s in slot_mapping):
+        if slot >= 0:
+            cache[slot // block_size, slot % block_size] = key[t].detach().cpu()
+    return (cache,)
+
+
+def lightning_indexer_oracle(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale):
+    """-> (int32 [T, topk],): per query token at position p, the positions 0..p sorted by descending
+    score_j = sum_h w_h * relu(scale * q_h . k_j) (fp64), equal scores by ascending position; the first
+    topk of them, -1 past the p + 1 there are."""
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
+    for t, (b, p, _) in enumerate(_request_tokens(seq_lens, query_start_loc)):
+        keys = torch.stack([_cached_row(k_cache, block_tables, b, j) for j in range(p + 1)])
+        scores = torch.relu(softmax_scale * (_f64(q[t]) @ keys.t())).t() @ _f64(weights[t])  # [p + 1]
+        ranked = sorted(range(p + 1), key=lambda j: (-float(scores[j]), j))[:topk]
+        out[t, : len(ranked)] = torch.tensor(ranked, dtype=torch.int32)
+    return (out,)
+
+
+def sparse_mla_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                topk_indices, softmax_scale):
+    """-> (o_latent [T, N, L],): per query token, softmax(scale * (q_latent latent^T + q_pe k_pe^T)) latent
+    over the positions it lists (a position listed twice counts twice; -1 skipped), zeros when it lists none."""
+    out = torch.zeros(q_latent.shape, dtype=torch.float64)
+    for t, (b, _, _) in enumerate(_request_tokens(seq_lens, query_start_loc)):
+        listed = [int(j) for j in topk_indices[t] if int(j) >= 0]
+        if not listed:
+            continue
+        latent = torch.stack([_cached_row(key_cache, block_tables, b, j) for j in listed])
+        k_pe = torch.stack([_cached_row(value_cache, block_tables, b, j) for j in listed])
+        scores = (_f64(q_latent[t]) @ latent.t() + _f64(q_pe[t]) @ k_pe.t()) * softmax_scale
+        out[t] = torch.softmax(scores, dim=-1) @ latent
+    return (out,)
