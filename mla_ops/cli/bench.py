@@ -197,6 +197,42 @@ def _run_decode(args, meta: dict) -> dict:
     return {"meta": meta, "model_decode": model_rows, "attention_step": attention}
 
 
+# ------------------------------------------------------------------------------------------- sparse
+def _sparse_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", type=int_list, default=[4096, 32768], help="context lengths (default: 4096,32768)")
+    p.add_argument("--batch", type=int_at_least(1), default=1, help="requests, one query token each (default: 1)")
+    p.add_argument("--prefill", type=int_list, default=[],
+                   help="also time one prefill of each of these lengths (e.g. 8192; seconds per call)")
+    p.add_argument("--quick", action="store_true", help="contexts 4096,8192 and fewer rounds")
+
+
+def _run_sparse(args, meta: dict) -> dict:
+    from ..bench import sparse
+    from ..bench.native import environment
+    from ..bench.timing import format_table
+
+    contexts = [4096, 8192] if args.quick else args.contexts
+    rows = sparse.decode_rows(contexts, batch=args.batch, rounds=3 if args.quick else 5)
+    print(f"\nsparse MLA decode step (mla.lightning_indexer + mla.sparse_mla_attention, top-{sparse.TOPK}) vs dense "
+          f"mla.mla_decode_attention over the same cache: DeepSeek-V3.2 attention dims, bf16, one layer, "
+          f"batch {args.batch}")
+    print(format_table(rows, [("context", "context"), ("dense_ms", "dense ms"), ("sparse_step_ms", "sparse ms"),
+                              ("dense_over_sparse", "dense / sparse"), ("indexer_ms", "indexer ms"),
+                              ("sparse_attention_ms", "attention ms"),
+                              ("sparse_step_over_first_context", "sparse / first context"),
+                              ("dense_memory_floor_fraction", "dense: floor / time"),
+                              ("sparse_step_memory_floor_fraction", "sparse: floor / time")]))
+    payload = {"meta": meta, "decode": rows}
+    if args.prefill:
+        prefill = sparse.prefill_rows(args.prefill)
+        print("\nsparse prefill of one request (one call each)")
+        print(format_table(prefill, [("tokens", "tokens"), ("indexer_s", "indexer s"),
+                                     ("sparse_attention_s", "attention s"), ("total_s", "total s")]))
+        payload["prefill"] = prefill
+    meta.update(environment())
+    return payload
+
+
 # ------------------------------------------------------------------------------------------ npu-sim
 def _npu_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a subset of kernels and shapes")
@@ -281,6 +317,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                      "materialised", _ops_arguments, _run_ops),
     "decode": Benchmark("per-token decode latency at long contexts: stock vs cache=dense vs cache=paged "
                         "(lite-attn, bf16), plus the attention step alone", _decode_arguments, _run_decode),
+    "sparse": Benchmark("sparse MLA decode (indexer + top-k attention) vs dense absorbed decode over the same "
+                        "cache, DeepSeek-V3.2 attention dims", _sparse_arguments, _run_sparse),
     "vllm": Benchmark("vLLM decode tokens/s and step latency: the mla-ops plugin vs vLLM's own CPU MLA backend "
                       "(needs vLLM: .venv-vllm)", _vllm_arguments, _run_vllm),
     "npu-sim": Benchmark("simulated Ascend 910B2 AICore time of the PyPTO kernels (pypto's CPU simulator)",
