@@ -14,7 +14,8 @@ from setuptools import find_packages, setup
 
 _CSRC = "mla_ops/csrc/cpu"
 _SOURCES = [f"{_CSRC}/{name}.cpp"
-            for name in ("decode_attention", "kv_prolog", "paged_kv_cache", "arguments", "registration", "bindings")]
+            for name in ("decode_attention", "lightning_indexer", "kv_prolog", "paged_kv_cache", "arguments",
+                         "registration", "bindings")]
 # -ffp-contract=off: the kernels reproduce the reference's separately rounded products (RoPE); the
 # FMAs the decode kernel wants are written explicitly (at::vec::fmadd), not left to contraction.
 _COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"]

@@ -4,6 +4,10 @@ Every test runs once per ISA build this machine can execute (avx512, avx2, defau
 ops (`torch.ops.mla.*` with the default backend) are the oracle:
 * kv_prolog / latent_kv_prolog: bit-identical (same ATen GEMMs and reduction, same roundings).
 * gather / scatter: bit-identical (byte copies).
+* lightning indexer: on random floats the native summation order differs from the reference's GEMMs,
+  so the selected sets are compared up to positions whose scores tie with the k-th within rounding
+  (the case database's integer inputs, where scores are exact, demand bit-identical output).
+* sparse attention: the decode kernel over listed positions, compared like decode attention.
 * decode attention: fp32 accumulation and softmax throughout, where the reference rounds its score
   GEMMs and probabilities to bf16/fp16, so it is compared with an fp64 oracle: never less accurate
   than the reference (within one output ulp) and within a dtype tolerance.
@@ -16,6 +20,7 @@ import torch
 import mla_ops
 from mla_ops.backends import cpu_native as native_cpu
 from mla_ops.testing.oracles import mla_decode_attention_oracle
+from mla_ops.testing.suites import normalised_error
 
 from utils import paged_case, rope_tables
 
@@ -496,6 +501,204 @@ def test_scatter_bad_slot_same_error_nothing_written(ext):
     assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
 
 
+# ----------------------------------------------------------------------------------------- sparse MLA
+
+
+def _indexer_case(dtype, seq_lens, q_lens, *, heads, dim, block_size, seed=0):
+    """Random floats (not the case database's integers): q [T, H, D], weights [T, H], k_cache, the
+    keys of every request in position order (fp64, for the exact scores), and the request tensors."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(seq_lens), max(need) + 1), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    tokens = int(starts[-1])
+    k_cache = torch.randn(num_blocks, block_size, 1, dim, generator=g).to(dtype)
+    q = torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    weights = torch.randn(tokens, heads, generator=g) * heads**-0.5
+    keys = [k_cache[tables[b, torch.arange(n) // block_size].long(), torch.arange(n) % block_size, 0].double()
+            for b, n in enumerate(seq_lens)]
+    return q, weights, k_cache, keys, tables, torch.tensor(seq_lens, dtype=torch.int32), starts
+
+
+def _token_positions(seq_lens, starts):
+    """(request, position) of every query token."""
+    out = []
+    for b, n in enumerate(seq_lens.tolist()):
+        q_len = int(starts[b + 1] - starts[b])
+        out += [(b, n - q_len + i) for i in range(q_len)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "prefill-chunk"])
+def test_indexer_random_floats_at_v32_dims(ext, dtype, q_len):
+    """DeepSeek-V3.2's indexer (64 heads x 128, top-2048) over ~3000 cached tokens: the native top-k
+    equals the reference's except for positions whose exact score lies within a relative 1e-5 of the
+    k-th (where the two summation orders may rank differently), and is in descending score order."""
+    topk, scale = 2048, 128**-0.5
+    q, weights, k_cache, keys, tables, seq_lens, starts = _indexer_case(
+        dtype, [3000 + q_len, 700], [q_len, 1], heads=64, dim=128, block_size=64, seed=q_len)
+    args = (q, weights, k_cache, tables, seq_lens, starts, topk, scale)
+    got = native_cpu.lightning_indexer(*args, _ext=ext)
+    want = torch.ops.mla.lightning_indexer(*args)
+    assert got.shape == want.shape and got.dtype == torch.int32
+    for t, (b, p) in enumerate(_token_positions(seq_lens, starts)):
+        exact = torch.relu(scale * (q[t].double() @ keys[b][: p + 1].t())).t() @ weights[t].double()
+        k = min(topk, p + 1)
+        assert torch.equal(got[t, k:], torch.full_like(got[t, k:], -1))
+        chosen = got[t, :k].long()
+        assert len(set(chosen.tolist())) == k and int(chosen.min()) >= 0 and int(chosen.max()) <= p
+        kth = exact.sort(descending=True).values[k - 1]
+        near = (exact - kth).abs() <= 1e-5 * kth.abs()
+        differ = torch.tensor(sorted(set(chosen.tolist()) ^ set(want[t, :k].long().tolist())), dtype=torch.long)
+        assert bool(near[differ].all()), (t, differ[~near[differ]])
+        ranked = exact[chosen]  # best first, up to the same rounding
+        assert bool((ranked[1:] <= ranked[:-1] + 1e-5 * torch.maximum(ranked[:-1].abs(), kth.abs())).all())
+
+
+def _sparse_case(dtype, tables, seq_lens, starts, *, topk, heads, L, R, block_size=16, indices=None, seed=0):
+    """(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, starts, topk_indices): random caches
+    over the blocks of `tables`; indices: each token's own positions in a random order with -1 mixed in
+    and a repeat, unless given (e.g. an indexer's output)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = int(tables.max()) + 1
+    pool = torch.randn(num_blocks, block_size, L + R, generator=g).to(dtype)
+    key_cache, value_cache = pool[..., :L].unsqueeze(2), pool[..., L:].unsqueeze(2)
+    positions = _token_positions(seq_lens, starts)
+    if indices is None:
+        indices = torch.full((len(positions), topk), -1, dtype=torch.int32)
+        for t, (_, p) in enumerate(positions):
+            listed = torch.randperm(p + 1, generator=g)[: topk - 2]
+            indices[t, : listed.shape[0]] = listed
+            indices[t, -1] = listed[0]  # listed twice: counted twice
+            indices[t] = indices[t, torch.randperm(topk, generator=g)]
+    q_latent = torch.randn(len(positions), heads, L, generator=g).to(dtype)
+    q_pe = torch.randn(len(positions), heads, R, generator=g).to(dtype)
+    return q_latent, q_pe, key_cache, value_cache, tables, seq_lens, starts, indices
+
+
+def _sparse_exact(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, starts, indices, scale):
+    """fp64 attention of every token over its listed positions (zeros when none)."""
+    block_size = key_cache.shape[1]
+    out = torch.zeros(q_latent.shape, dtype=torch.float64)
+    for t, (b, _) in enumerate(_token_positions(seq_lens, starts)):
+        listed = indices[t].long()
+        listed = listed[listed >= 0]
+        if listed.numel() == 0:
+            continue
+        blocks, offsets = tables[b, listed // block_size].long(), listed % block_size
+        latent, k_pe = key_cache[blocks, offsets, 0].double(), value_cache[blocks, offsets, 0].double()
+        scores = (q_latent[t].double() @ latent.t() + q_pe[t].double() @ k_pe.t()) * scale
+        out[t] = torch.softmax(scores, dim=-1) @ latent
+    return out
+
+
+_SPARSE_TOL = {torch.float32: 64 * 2.0**-23, torch.bfloat16: 2 * 2.0**-7, torch.float16: 2 * 2.0**-10}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_sparse_attention_matches_reference(ext, dtype, block_size):
+    """Mixed requests (a prefill chunk, decode steps, an idle request), repeats and -1 in the lists, a
+    token that lists nothing: within the case database's bound of the fp64 result, like the reference."""
+    seq_lens, q_lens = [50, 1, 300, 7], [5, 1, 1, 0]
+    need = [-(-n // block_size) for n in seq_lens]
+    tables = torch.full((4, max(need) + 2), -1, dtype=torch.int32)
+    perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(1))
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = _sparse_case(dtype, tables, torch.tensor(seq_lens), starts, topk=40, heads=5, L=64, R=16,
+                        block_size=block_size)
+    indices = args[-1].clone()
+    indices[2] = -1  # lists nothing: zeros
+    args = (*args[:-1], indices)
+    scale = 80**-0.5
+    got = native_cpu.sparse_mla_attention(*args, scale, _ext=ext)
+    want = torch.ops.mla.sparse_mla_attention(*args, scale)
+    exact = _sparse_exact(*args, scale)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    assert normalised_error(got, exact) <= max(_SPARSE_TOL[dtype], normalised_error(want, exact))
+
+
+@pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "prefill-chunk"])
+def test_sparse_attention_of_the_indexers_choice_at_v32_dims(ext, q_len):
+    """The indexer's top-2048 of ~3000 tokens attended with DeepSeek-V3.2's latent / rope dims (bf16;
+    T = 1 splits the 2048 positions over the cores and merges them)."""
+    q, weights, k_cache, _, tables, seq_lens, starts = _indexer_case(
+        torch.bfloat16, [3000 + q_len], [q_len], heads=64, dim=128, block_size=64, seed=3)
+    topk = native_cpu.lightning_indexer(q, weights, k_cache, tables, seq_lens, starts, 2048, 128**-0.5, _ext=ext)
+    args = _sparse_case(torch.bfloat16, tables, seq_lens, starts, topk=2048, heads=16 if q_len > 1 else 128, L=512,
+                        R=64, block_size=64, indices=topk)
+    scale = 192**-0.5
+    got = native_cpu.sparse_mla_attention(*args, scale, _ext=ext)
+    want = torch.ops.mla.sparse_mla_attention(*args, scale)
+    exact = _sparse_exact(*args, scale)
+    assert normalised_error(got, exact) <= max(_SPARSE_TOL[torch.bfloat16], normalised_error(want, exact))
+
+
+def test_sparse_bad_index_same_error(ext):
+    args = _sparse_case(torch.float32, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]),
+                        torch.tensor([0, 2], dtype=torch.int32), topk=4, heads=2, L=16, R=8)
+    indices = args[-1].clone()
+    indices[1, 2] = 20  # one past the request's 20 cached tokens
+    args = (*args[:-1], indices)
+    with pytest.raises(ValueError) as expected:
+        torch.ops.mla.sparse_mla_attention(*args, 0.1)
+    with pytest.raises(ValueError) as got:
+        native_cpu.sparse_mla_attention(*args, 0.1, _ext=ext)
+    assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+def test_indexer_ties_nan_and_strided_keys(ext, dtype):
+    """Exact scores (integer inputs) with many ties, NaN and inf keys, a strided key pool and fp16/bf16
+    weights: bit-identical to the reference."""
+    q, weights, k_cache, _, tables, seq_lens, starts = _indexer_case(dtype, [37, 70], [4, 2], heads=3, dim=20,
+                                                                     block_size=8)
+    q, k_pool = q.round().clamp(-2, 2), torch.randint(-1, 2, (k_cache.shape[0], 8, 1, 40)).to(dtype)
+    k_cache = k_pool[..., ::2]  # element stride 2
+    k_cache[0, 3, 0, 0] = float("nan")
+    k_cache[1, 2, 0, :] = float("inf")
+    weights = weights.sign().to(dtype)
+    args = (q, weights, k_cache, tables, seq_lens, starts, 16, 0.5)
+    assert torch.equal(native_cpu.lightning_indexer(*args, _ext=ext), torch.ops.mla.lightning_indexer(*args))
+
+
+def test_sparse_attention_float64_and_strided_caches_are_served_by_the_reference(ext):
+    args = _sparse_case(torch.float32, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]),
+                        torch.tensor([0, 2], dtype=torch.int32), topk=4, heads=2, L=16, R=8)
+    strided = (*args[:2], args[2].transpose(1, 3).contiguous().transpose(1, 3), *args[3:])  # last dim stride 16
+    assert strided[2].stride(3) != 1
+    as_double = tuple(a.double() if a.is_floating_point() else a for a in args)
+    for call, reason in [(strided, "the caches' last dim must be unit-stride for the native sparse attention kernel"),
+                         (as_double, "torch.float64 is not served by the native kernels")]:
+        expected = torch.ops.mla.sparse_mla_attention(*call, 0.1)  # the reference (this file's default)
+        with mla_ops.use_backend("auto"):
+            assert f"not cpu_native: {reason}" in mla_ops.explain("sparse_mla_attention", *call, 0.1)
+            assert torch.equal(torch.ops.mla.sparse_mla_attention(*call, 0.1), expected)
+
+
+def test_scatter_pa_cache_matches_reference(ext):
+    cache = torch.randn(6, 16, 1, 128).to(torch.bfloat16)
+    key = torch.randn(20, 1, 128).to(torch.bfloat16)
+    slots = torch.tensor(list(range(16, 32)) + [3, -1, 95, 40])
+    want = cache.clone()
+    torch.ops.mla.scatter_pa_cache(key, want, slots)
+    native_cpu.scatter_pa_cache(key, cache, slots, _ext=ext)
+    assert torch.equal(cache, want)
+
+
 # ------------------------------------------------------------------------------------------- opcheck
 
 
@@ -532,6 +735,9 @@ def _tiny_calls():
     key, value = torch.zeros(3, 1, L), torch.zeros(3, 1, R)
     slots = torch.tensor([5, -1, 40])
     prolog_args, prolog_kwargs = _prolog_case(torch.bfloat16, 1, 1)
+    q, weights, k_cache, _, sparse_tables, sparse_lens, starts = _indexer_case(torch.float32, [40, 9], [3, 1], heads=4,
+                                                                                 dim=16, block_size=16)
+    sparse = _sparse_case(torch.float32, sparse_tables, sparse_lens, starts, topk=8, heads=4, L=32, R=8)
     return {
         "mla_decode_attention": lambda: torch.ops.mla.mla_decode_attention(
             q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1),
@@ -542,7 +748,16 @@ def _tiny_calls():
             key_cache, value_cache, tables[:, :1], torch.tensor([3, 0]), key, value),
         "kv_prolog": lambda: torch.ops.mla.kv_prolog(*prolog_args, **prolog_kwargs),
         "latent_kv_prolog": lambda: torch.ops.mla.latent_kv_prolog(*prolog_args[:4], *prolog_args[5:]),
+        "scatter_pa_cache": lambda: torch.ops.mla.scatter_pa_cache(key, key_cache, slots),
+        "lightning_indexer": lambda: torch.ops.mla.lightning_indexer(
+            q, weights, k_cache, sparse_tables, sparse_lens, starts, 8, 0.25),
+        "sparse_mla_attention": lambda: torch.ops.mla.sparse_mla_attention(*sparse, 0.1),
     }
+
+
+def test_every_dispatcher_op_has_a_tiny_call(ext):
+    """The no-Python test below covers every op the extension serves from the dispatcher."""
+    assert set(_tiny_calls()) == set(ext.dispatcher_ops())
 
 
 @pytest.mark.parametrize("op", list(_tiny_calls()))
@@ -662,6 +877,9 @@ def test_native_is_the_automatic_choice_on_cpu():
         bound = {(op, dev): who for op, dev, who in mla_ops.backends.bound_report()}
     assert bound[("gather_pa_kv_cache", "cpu")] == "cpu_native"  # no call-dependent reasons: bound directly
     assert bound[("scatter_pa_kv_cache", "cpu")] == "cpu_native"
+    assert bound[("scatter_pa_cache", "cpu")] == "cpu_native"
+    assert bound[("lightning_indexer", "cpu")] == "cpu_native or reference"
+    assert bound[("sparse_mla_attention", "cpu")] == "cpu_native or reference"
     assert bound[("kv_prolog", "cpu")] == "cpu_native or reference"  # float64 goes to the reference
 
 

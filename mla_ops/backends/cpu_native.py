@@ -15,9 +15,9 @@ The ops this backend serves on CPU are registered on the dispatcher by the exten
 for the build `load()` picks), so `torch.ops.mla.<op>` on CPU tensors runs no Python: the C++ kernel
 runs the op's metadata check (the C++ twin of the Python one, same messages), this backend's reasons
 (`*_reasons` below, in C++ too), the index-value checks (ValueError, nothing written) and the kernel.
-What the kernels do not serve (float64, gradcheck's dtype; decode caches whose last dim is not
-unit-stride; a prolog rotating k_pe with rope_compute_dtype="activation" in fp16 / bf16; pair-major
-rotary tables; the "neox" layout) goes to the reference kernels, with the reason in
+What the kernels do not serve (float64, gradcheck's dtype; decode and sparse-attention caches whose
+last dim is not unit-stride; a prolog rotating k_pe with rope_compute_dtype="activation" in fp16 / bf16;
+pair-major rotary tables; the "neox" layout) goes to the reference kernels, with the reason in
 `mla_ops.explain(...)`, or is refused when this backend was requested by name.
 
 The Python kernels below call a build directly (the `_ext` keyword selects one: tests and
@@ -167,6 +167,14 @@ def _decode_reasons(q_latent, q_pe, key_cache, value_cache, *args, **kwargs) -> 
     return _module(None).mla_decode_attention_reasons(q_latent, key_cache, value_cache)
 
 
+def _sparse_attention_reasons(q_latent, q_pe, key_cache, value_cache, *args, **kwargs) -> list[str]:
+    return _module(None).sparse_mla_attention_reasons(q_latent, key_cache, value_cache)
+
+
+def _indexer_reasons(q, *args, **kwargs) -> list[str]:
+    return _module(None).lightning_indexer_reasons(q)
+
+
 # ------------------------------------------------------------------------------------------ kernels
 # Each is the extension's direct entry point (the op's checks, reasons and kernel, in C++). `_ext`
 # (keyword-only, not part of the op schemas) selects a build explicitly: tests and benchmark.
@@ -207,3 +215,19 @@ gather_pa_kv_cache_functional = _direct(
 scatter_pa_kv_cache = _direct(
     "scatter_pa_kv_cache",
     "key_cache[slot // bs, slot % bs] = key[t] (same for value) for every token t with slot >= 0.")
+scatter_pa_cache = _direct(
+    "scatter_pa_cache",
+    "The one-pool twin (the sparse indexer's key cache): cache[slot // bs, slot % bs] = key[t]; the same C++ code.")
+lightning_indexer = _direct(
+    "lightning_indexer",
+    """q [T, H, D], weights [T, H], k_cache [NB, bs, 1, D] -> int32 [T, topk]: fp32 scores of query tiles x
+    context chunks (split over the cores, a key row read once per tile of a request's tokens), then an
+    exact top-k per token (nth_element + sort on (score, position) keys: the reference's order, ties and
+    NaN included).""",
+    _indexer_reasons)
+sparse_mla_attention = _direct(
+    "sparse_mla_attention",
+    """q_latent [T, N, L], q_pe [T, N, R], the latent / k_pe caches, topk_indices [T, K] -> o_latent [T, N, L]:
+    the decode kernel over each token's listed positions (-1 skipped), all heads per gathered row, split
+    over tokens and, for few tokens, over chunks of the list (merged like decode's split context).""",
+    _sparse_attention_reasons)

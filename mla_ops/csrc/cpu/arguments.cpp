@@ -145,6 +145,27 @@ void check_gather_args(std::string_view op, const at::Tensor& key_cache, const a
   }
 }
 
+// mla_ops/ops/sparse_attention.py: _check_scale
+void check_sparse_scale(std::string_view op, double softmax_scale) {
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, prefix(op),
+              "softmax_scale must be a finite positive number, got ", py_float(softmax_scale));
+}
+
+// mla_ops/ops/sparse_attention.py: _check_requests
+void check_requests(std::string_view op, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    const at::Tensor& query_start_loc) {
+  check_index(op, "block_tables", block_tables);
+  check_rank(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]");
+  check_index(op, "seq_lens", seq_lens);
+  check_rank(op, "seq_lens", seq_lens, 1, "[batch]");
+  check_size(op, "seq_lens", seq_lens.size(0), block_tables.size(0),
+             "length must equal the number of block-table rows (one per request)");
+  check_index(op, "query_start_loc", query_start_loc);
+  check_rank(op, "query_start_loc", query_start_loc, 1, "[batch + 1] (cumulative query tokens per request)");
+  check_size(op, "query_start_loc", query_start_loc.size(0), block_tables.size(0) + 1,
+             "must have one entry per request plus one (cumulative counts starting at 0)");
+}
+
 }  // namespace
 
 // mla_ops/ops/decode_attention.py: check_decode_attention_args
@@ -237,6 +258,87 @@ void check_scatter_pa_kv_cache_args(const at::Tensor& key, const at::Tensor& val
                          {"slot_mapping", &slot_mapping}});
   check_writable_layout(op, "key_cache", key_cache);
   check_writable_layout(op, "value_cache", value_cache);
+}
+
+// mla_ops/ops/scatter_pa_kv_cache.py: check_scatter_pa_cache_args
+void check_scatter_pa_cache_args(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping) {
+  constexpr std::string_view op = "scatter_pa_cache";
+  check_rank(op, "cache", cache, 4, kCacheLayout);
+  TORCH_CHECK(cache.size(0) >= 1, prefix(op), "cache needs at least one block (dim 0), got 0");
+  TORCH_CHECK(cache.size(1) >= 1, prefix(op), "block_size (cache dim 1) must be >= 1, got 0");
+  check_token_tensor(op, "key", key, "cache", cache);
+  check_index(op, "slot_mapping", slot_mapping);
+  check_rank(op, "slot_mapping", slot_mapping, 1, "[tokens]");
+  check_size(op, "slot_mapping", slot_mapping.size(0), key.size(0),
+             "length must equal the token count of key (use a negative slot for padding tokens)");
+  check_same_device(op, {{"key", &key}, {"cache", &cache}, {"slot_mapping", &slot_mapping}});
+  check_writable_layout(op, "cache", cache);
+}
+
+// mla_ops/ops/sparse_attention.py: check_lightning_indexer_args
+void check_lightning_indexer_args(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  const at::Tensor& query_start_loc, int64_t topk, double softmax_scale) {
+  constexpr std::string_view op = "lightning_indexer";
+  check_sparse_scale(op, softmax_scale);
+  TORCH_CHECK(topk >= 1, prefix(op), "topk must be >= 1 (the number of positions kept per query token), got ", topk);
+  check_float(op, "q", q);
+  check_rank(op, "q", q, 3, "[tokens, index_heads, index_head_dim] (rotated indexer queries)");
+  check_float(op, "weights", weights);
+  check_rank(op, "weights", weights, 2, "[tokens, index_heads]");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat || weights.scalar_type() == q.scalar_type(), prefix(op),
+              "weights must be float32 or q's dtype ", py_dtype(q), ", got ", py_dtype(weights));
+  check_size(op, "weights", weights.size(0), q.size(0), "tokens (dim 0) must equal q's");
+  check_size(op, "weights", weights.size(1), q.size(1), "heads (dim 1) must equal q's index heads");
+  check_rank(op, "k_cache", k_cache, 4, "[num_blocks, block_size, 1, index_head_dim]");
+  check_size(op, "k_cache", k_cache.size(2), 1, "heads (dim 2) must be 1: the indexer caches one key per token");
+  check_size(op, "k_cache", k_cache.size(3), q.size(2), "dim (dim 3) must equal index_head_dim, q's last dim");
+  TORCH_CHECK(k_cache.size(0) >= 1, prefix(op), "k_cache needs at least one block (dim 0), got 0");
+  TORCH_CHECK(k_cache.size(1) >= 1, prefix(op), "block_size (k_cache dim 1) must be >= 1, got 0");
+  check_same_dtype(op, "k_cache", k_cache, "q", q);
+  check_requests(op, block_tables, seq_lens, query_start_loc);
+  check_same_device(op, {{"q", &q},
+                         {"weights", &weights},
+                         {"k_cache", &k_cache},
+                         {"block_tables", &block_tables},
+                         {"seq_lens", &seq_lens},
+                         {"query_start_loc", &query_start_loc}});
+}
+
+// mla_ops/ops/sparse_attention.py: check_sparse_mla_attention_args
+void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     const at::Tensor& topk_indices, double softmax_scale) {
+  constexpr std::string_view op = "sparse_mla_attention";
+  check_sparse_scale(op, softmax_scale);
+  check_float(op, "q_latent", q_latent);
+  check_rank(op, "q_latent", q_latent, 3, "[tokens, heads, kv_lora_rank] (q_nope absorbed with W_UK)");
+  check_rank(op, "q_pe", q_pe, 3, "[tokens, heads, rope_dim] (rotated)");
+  check_same_dtype(op, "q_pe", q_pe, "q_latent", q_latent);
+  check_size(op, "q_pe", q_pe.size(0), q_latent.size(0), "tokens (dim 0) must equal q_latent's");
+  check_size(op, "q_pe", q_pe.size(1), q_latent.size(1), "heads (dim 1) must equal q_latent's");
+  check_cache_pair(op, key_cache, value_cache);
+  check_size(op, "key_cache", key_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared latent");
+  check_size(op, "value_cache", value_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared k_pe");
+  check_size(op, "key_cache", key_cache.size(3), q_latent.size(2),
+             "dim (dim 3) must equal kv_lora_rank, the last dim of q_latent");
+  check_size(op, "value_cache", value_cache.size(3), q_pe.size(2),
+             "dim (dim 3) must equal rope_dim, the last dim of q_pe");
+  check_same_dtype(op, "key_cache", key_cache, "q_latent", q_latent);
+  check_same_dtype(op, "value_cache", value_cache, "q_latent", q_latent);
+  check_requests(op, block_tables, seq_lens, query_start_loc);
+  check_index(op, "topk_indices", topk_indices);
+  check_rank(op, "topk_indices", topk_indices, 2, "[tokens, topk] (request-local positions, -1 = none)");
+  check_size(op, "topk_indices", topk_indices.size(0), q_latent.size(0), "tokens (dim 0) must equal q_latent's");
+  check_same_device(op, {{"q_latent", &q_latent},
+                         {"q_pe", &q_pe},
+                         {"key_cache", &key_cache},
+                         {"value_cache", &value_cache},
+                         {"block_tables", &block_tables},
+                         {"seq_lens", &seq_lens},
+                         {"query_start_loc", &query_start_loc},
+                         {"topk_indices", &topk_indices}});
 }
 
 // mla_ops/ops/gather_pa_kv_cache.py: check_gather_pa_kv_cache_args / _functional_args

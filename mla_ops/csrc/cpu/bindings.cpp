@@ -53,6 +53,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("is_seq_lens_cumsum") = false, no_gil);
   m.def("scatter_pa_kv_cache", &call_scatter_pa_kv_cache, arg("key"), arg("value"), arg("key_cache"),
         arg("value_cache"), arg("slot_mapping"), no_gil);
+  m.def("scatter_pa_cache", &call_scatter_pa_cache, arg("key"), arg("cache"), arg("slot_mapping"), no_gil);
+  m.def("lightning_indexer", &call_lightning_indexer, arg("q"), arg("weights"), arg("k_cache"), arg("block_tables"),
+        arg("seq_lens"), arg("query_start_loc"), arg("topk"), arg("softmax_scale"), no_gil);
+  m.def("sparse_mla_attention", &call_sparse_mla_attention, arg("q_latent"), arg("q_pe"), arg("key_cache"),
+        arg("value_cache"), arg("block_tables"), arg("seq_lens"), arg("query_start_loc"), arg("topk_indices"),
+        arg("softmax_scale"), no_gil);
 
   m.def(
       "mla_decode_attention_reasons",
@@ -60,6 +66,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return decode_reasons(q_latent, key_cache, value_cache);
       },
       arg("q_latent"), arg("key_cache"), arg("value_cache"));
+  m.def(
+      "sparse_mla_attention_reasons",
+      [](const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+        return sparse_attention_reasons(q_latent, key_cache, value_cache);
+      },
+      arg("q_latent"), arg("key_cache"), arg("value_cache"));
+  m.def(
+      "lightning_indexer_reasons", [](const at::Tensor& q) { return indexer_reasons(q); }, arg("q"));
   // kv_prolog and latent_kv_prolog: cos and sin are the last two positional arguments
   m.def(
       "prolog_reasons",

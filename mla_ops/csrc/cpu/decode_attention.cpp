@@ -1,7 +1,13 @@
-// mla.mla_decode_attention on CPU: absorbed MQA over the paged latent cache.
+// mla.mla_decode_attention and mla.sparse_mla_attention on CPU: absorbed MQA over the paged latent
+// cache.
 //
 //   scores[b, n, t] = scale * (q_latent[b, n] . latent[b, t] + q_pe[b, n] . k_pe[b, t])
 //   o_latent[b, n]  = softmax_t(scores[b, n, :seq_lens[b]]) . latent[b, :seq_lens[b]]
+//
+// Decode attends to positions 0 .. seq_lens[b) of sequence b; sparse attention (one row per query
+// token) to the positions its topk_indices row lists (-1 skipped, a position listed twice counted
+// twice). Both are the same kernel over a row's list of entries (`DecodePositions` /
+// `SparsePositions` say where entry t is cached), so everything below serves both.
 //
 // Every head attends over the same cached rows, so the kernel is organised around the cache:
 // each work unit owns one chunk of one sequence's context and ALL heads (head folding: a cached
@@ -24,14 +30,15 @@
 // a whole register block at once with a transpose-and-add tree (ISA-specific) instead of one
 // horizontal sum per accumulator.
 //
-// Positions at or past a row's length are never read: the units cover [0, len) only, so whatever
+// Positions at or past a row's length (decode) or not listed (sparse) are never read, so whatever
 // sits in unattended slots (NaN/inf included) cannot reach the output. The next tile's rows are
 // prefetched while a tile is computed (a sequence's blocks are scattered over the pool).
 //
 // AMX tiles are not used. The route to them would be at::native::cpublas::brgemm (oneDNN's
 // ukernel) on VNNI-packed tiles; on a CPU without AMX oneDNN runs its AVX-512 kernels there
 // instead, so the AMX half of that path cannot be exercised where AMX is absent.
-#include "common.h"
+#include "ops.h"
+#include "score_blocks.h"
 
 #include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
@@ -60,10 +67,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr const char* kOpPrefix = "mla.mla_decode_attention: ";
-
-inline float hsum(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
-}
 
 // ------------------------------------------------------------------------------ index values
 
@@ -114,105 +117,17 @@ std::vector<int64_t> attended_lengths(const IndexView& lens, const IndexView& ta
   return out;
 }
 
-// ------------------------------------------------------------------ register-block reductions
-
-// out[h * out_stride + t] += sum of the lanes of acc[h][t], for an NH x NT block of accumulators.
-template <int NH, int NT>
-inline void add_block_sums(const fVec (&acc)[NH][NT], float* out, int64_t out_stride) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (NH == 4 && NT == 4) {
-    // Transpose-and-add tree: 16 vectors -> one vector whose lane 4h+t is the sum of acc[h][t]
-    // (45 shuffles/adds for 16 sums instead of ~8 operations per horizontal sum).
-    __m512 s[8];
-    for (int i = 0; i < 8; ++i) {
-      const __m512 a = acc[(2 * i) / 4][(2 * i) % 4], b = acc[(2 * i + 1) / 4][(2 * i + 1) % 4];
-      s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    }
-    __m512 w[4];
-    for (int i = 0; i < 4; ++i) {
-      w[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                           _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    }
-    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, r);
-    for (int h = 0; h < 4; ++h) {
-      float* o = out + h * out_stride;
-      _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), _mm_load_ps(sums + 4 * h)));
-    }
-    return;
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (NH == 2 && NT == 4) {
-    // 8 vectors -> one vector whose lane 4h+t is the sum of acc[h][t].
-    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[0][1]), _mm256_hadd_ps(acc[0][2], acc[0][3]));
-    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[1][0], acc[1][1]), _mm256_hadd_ps(acc[1][2], acc[1][3]));
-    const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
-    _mm_storeu_ps(out, _mm_add_ps(_mm_loadu_ps(out), _mm256_castps256_ps128(r)));
-    float* o1 = out + out_stride;
-    _mm_storeu_ps(o1, _mm_add_ps(_mm_loadu_ps(o1), _mm256_extractf128_ps(r, 1)));
-    return;
-  }
-#endif
-  for (int h = 0; h < NH; ++h)
-    for (int t = 0; t < NT; ++t) out[h * out_stride + t] += hsum(acc[h][t]);
-}
-
 // ------------------------------------------------------------------------------ fp32 engine
 
-// Register blocks of the fp32 micro-kernels. Scores: NH heads x 4 tokens of accumulators (16 on
-// AVX-512's 32 registers, 8 on AVX2's 16: enough independent FMA chains to cover the FMA latency).
-// P . latent: NH heads x NC output vectors per token step.
+// Register block of the fp32 P . latent micro-kernel: NH heads x NC output vectors per token step
+// (the score block is score_blocks.h's).
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int kScoreHeads = 4, kAccHeads = 4, kAccVecs = 4;
+constexpr int kAccHeads = 4, kAccVecs = 4;
 #elif defined(CPU_CAPABILITY_AVX2)
-constexpr int kScoreHeads = 2, kAccHeads = 4, kAccVecs = 3;
+constexpr int kAccHeads = 4, kAccVecs = 3;
 #else
-constexpr int kScoreHeads = 2, kAccHeads = 4, kAccVecs = 2;
+constexpr int kAccHeads = 4, kAccVecs = 2;
 #endif
-constexpr int kScoreTokens = 4;
-
-// out[h][t] += ql[h] . lat[t] + qp[h] . pe[t]: one register block and one reduction for both
-// parts. The accumulators stay local to this function so that GCC keeps them in registers.
-template <int NH, int NT>
-inline void f32_score_block(const float* const* ql, const float* const* lat, int64_t L, const float* const* qp,
-                            const float* const* pe, int64_t R, float* out, int64_t out_stride) {
-  constexpr int64_t W = fVec::size();
-  fVec acc[NH][NT];
-  for (int h = 0; h < NH; ++h)
-    for (int t = 0; t < NT; ++t) acc[h][t] = fVec(0.f);
-  for (int part = 0; part < 2; ++part) {
-    const float* const* q = part == 0 ? ql : qp;
-    const float* const* rows = part == 0 ? lat : pe;
-    const int64_t Dv = (part == 0 ? L : R) / W * W;
-    for (int64_t d = 0; d < Dv; d += W) {
-      fVec r[NT];
-      for (int t = 0; t < NT; ++t) {
-        r[t] = fVec::loadu(rows[t] + d);
-        pin(r[t]);
-      }
-      for (int h = 0; h < NH; ++h) {
-        fVec x = fVec::loadu(q[h] + d);
-        pin(x);
-        for (int t = 0; t < NT; ++t) acc[h][t] = at::vec::fmadd(x, r[t], acc[h][t]);
-      }
-    }
-  }
-  add_block_sums<NH, NT>(acc, out, out_stride);
-  for (int part = 0; part < 2; ++part) {
-    const float* const* q = part == 0 ? ql : qp;
-    const float* const* rows = part == 0 ? lat : pe;
-    const int64_t D = part == 0 ? L : R;
-    for (int64_t d = D / W * W; d < D; ++d)
-      for (int h = 0; h < NH; ++h)
-        for (int t = 0; t < NT; ++t) out[h * out_stride + t] += q[h][d] * rows[t][d];
-  }
-}
 
 // o[h][d0 : d0 + NC*W] += sum_t p[h][t] * rows[t][d0 : ...] for NH heads. Not inlined: inside the
 // driver GCC's register allocation spills the row vectors of this loop.
@@ -250,20 +165,6 @@ inline void f32_acc_heads(float* const* o, const float* const* p, const float* c
     }
   }
 }
-
-// Row `src` (D elements of T, element stride `stride`) -> fp32 `dst`.
-template <typename T>
-inline void row_to_f32(float* dst, const T* src, int64_t D, int64_t stride) {
-  constexpr int64_t W = fVec::size();
-  int64_t d = 0;
-  if (stride == 1) {
-    for (; d + W <= D; d += W) load_f32<T>(src + d).store(dst + d);
-    for (; d < D; ++d) dst[d] = to_f32(src[d]);
-  } else {
-    for (; d < D; ++d) dst[d] = to_f32(src[d * stride]);
-  }
-}
-
 // Problem geometry shared by the engines and the driver.
 struct Geometry {
   int64_t N, L, R;
@@ -538,8 +439,37 @@ class Bf16DotTiles {
 
 // --------------------------------------------------------------------------------- driver
 
+// Where the entries a query row attends to are cached. Decode: entry t of row b is position t of
+// sequence b (runs of consecutive positions share a block). Sparse: entry e of token t is the
+// position its index list holds there, -1 none. `slot` returns the block id of an entry (an id
+// outside [0, NB) is skipped, never read), its offset in the block and how many consecutive
+// entries (at most `max_run`) continue in that block.
+struct Slot {
+  int64_t id, offset, run;
+};
+
+struct DecodePositions {
+  IndexView table;
+  int64_t maxb, bs;
+  Slot slot(int64_t row, int64_t entry, int64_t max_run) const {
+    const int64_t off = entry % bs;  // entry < len <= maxb * bs: the column is < maxb
+    return {table[row * maxb + entry / bs], off, std::min(bs - off, max_run)};
+  }
+};
+
+struct SparsePositions {
+  IndexView table, indices;
+  int64_t maxb, bs, width;                // width: entries per token (topk_indices.size(1))
+  const std::vector<int64_t>* request;    // the request of every query token
+  Slot slot(int64_t row, int64_t entry, int64_t) const {
+    const int64_t position = indices[row * width + entry];  // validated: -1 or < seq_lens <= maxb * bs
+    if (position < 0) return {-1, 0, 1};
+    return {table[(*request)[row] * maxb + position / bs], position % bs, 1};
+  }
+};
+
 struct Unit {
-  int64_t b, t0, t1;  // sequence b, tokens [t0, t1)
+  int64_t row, t0, t1;  // query row, entries [t0, t1)
 };
 
 // Rounds fp32 values to the nearest bf16 (ties to even), kept in fp32.
@@ -547,20 +477,20 @@ inline fVec round_to_bf16(const fVec& v) {
   return std::get<0>(at::vec::convert_to_float<at::BFloat16>(at::vec::convert_from_float<at::BFloat16>(v, v)));
 }
 
-template <typename T, typename Tiles>
-void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
-                   const at::Tensor& value_cache, const at::Tensor& block_tables, const std::vector<int64_t>& lens,
-                   double softmax_scale, at::Tensor& out) {
+// Attention of every query row over its `entries[row]` entries (where they are cached: `positions`).
+template <typename T, typename Tiles, typename Positions>
+void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const Positions& positions, const std::vector<int64_t>& entries,
+                      double softmax_scale, at::Tensor& out) {
   constexpr int64_t kTile = Tiles::kTile;
   using Query = typename Tiles::Query;
   const int64_t B = q_latent.size(0), N = q_latent.size(1), L = q_latent.size(2), R = q_pe.size(2);
-  const int64_t NB = key_cache.size(0), bs = key_cache.size(1), maxb = block_tables.size(1);
+  const int64_t NB = key_cache.size(0);
   const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1);
   const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1);
   const Geometry geo{N, L, R, key_cache.stride(3), value_cache.stride(3)};
   const T* kc = key_cache.const_data_ptr<T>();
   const T* vc = value_cache.const_data_ptr<T>();
-  const IndexView table(block_tables);
   const float scale = static_cast<float>(softmax_scale);
 
   // Queries in the engine's input type (B*N*(L+R) values: negligible).
@@ -574,10 +504,10 @@ void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at:
   }
 
   // Split-K: enough units for every thread to get several (load balance across mixed lengths),
-  // but chunks of at least 256 tokens so the merge stays small next to the attention work.
+  // but chunks of at least 256 entries so the merge stays small next to the attention work.
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b)
-    if (__builtin_add_overflow(total, lens[b], &total)) total = std::numeric_limits<int64_t>::max();
+    if (__builtin_add_overflow(total, entries[b], &total)) total = std::numeric_limits<int64_t>::max();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t chunk = std::max<int64_t>(256, total / (4 * threads) + 1);
   chunk = (chunk + kTile - 1) / kTile * kTile;
@@ -585,8 +515,8 @@ void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at:
   std::vector<int64_t> first_unit(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     first_unit[b] = static_cast<int64_t>(units.size());
-    for (int64_t t0 = 0; t0 < lens[b]; t0 += std::min(chunk, lens[b] - t0))
-      units.push_back({b, t0, t0 + std::min(chunk, lens[b] - t0)});
+    for (int64_t t0 = 0; t0 < entries[b]; t0 += std::min(chunk, entries[b] - t0))
+      units.push_back({b, t0, t0 + std::min(chunk, entries[b] - t0)});
   }
   first_unit[B] = static_cast<int64_t>(units.size());
   const int64_t U = first_unit[B];
@@ -596,18 +526,18 @@ void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at:
   at::Tensor acc_buf = at::empty({std::max<int64_t>(U, 1), N, L}, q_latent.options().dtype(at::kFloat));
   float* acc_all = acc_buf.data_ptr<float>();
 
-  // Requests the cache lines of tokens [t0, t1) of sequence b (the next tile) while the current
-  // one is computed: the blocks of a sequence are scattered over the pool, so the hardware
-  // prefetcher loses the stream at every block boundary.
+  // Requests the cache lines of entries [t0, t1) of a row (the next tile) while the current one
+  // is computed: the blocks are scattered over the pool, so the hardware prefetcher loses the
+  // stream at every block boundary.
   const int64_t lat_bytes = L * static_cast<int64_t>(sizeof(T)), pe_bytes = R * static_cast<int64_t>(sizeof(T));
   const bool unit_rows = geo.ks3 == 1 && geo.vs3 == 1;
-  auto prefetch_tile = [&](int64_t b, int64_t t0, int64_t t1) {
+  auto prefetch_tile = [&](int64_t row, int64_t t0, int64_t t1) {
     if (!unit_rows) return;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t id = table[b * maxb + t / bs];
-      if (id < 0 || id >= NB) continue;
-      const char* kp = reinterpret_cast<const char*>(kc + id * ks0 + (t % bs) * ks1);
-      const char* vp = reinterpret_cast<const char*>(vc + id * vs0 + (t % bs) * vs1);
+      const Slot s = positions.slot(row, t, 1);
+      if (s.id < 0 || s.id >= NB) continue;
+      const char* kp = reinterpret_cast<const char*>(kc + s.id * ks0 + s.offset * ks1);
+      const char* vp = reinterpret_cast<const char*>(vc + s.id * vs0 + s.offset * vs1);
       for (int64_t i = 0; i < lat_bytes; i += 64) __builtin_prefetch(kp + i, 0, 3);
       for (int64_t i = 0; i < pe_bytes; i += 64) __builtin_prefetch(vp + i, 0, 3);
     }
@@ -623,28 +553,26 @@ void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at:
       std::fill(acc, acc + N * L, 0.f);
       float* m = m_part.data() + u * N;
       float* l = l_part.data() + u * N;
-      const Query* qlb = ql.data() + unit.b * N * L;
-      const Query* qpb = qp.data() + unit.b * N * R;
-      const int64_t row = unit.b * maxb;
+      const Query* qlb = ql.data() + unit.row * N * L;
+      const Query* qpb = qp.data() + unit.row * N * R;
       int64_t t = unit.t0;
       while (t < unit.t1) {
-        // Gather up to kTile tokens, a run of one block at a time; a block whose id is out of
-        // range (only reachable unvalidated) is skipped whole, never read.
+        // Gather up to kTile entries, a run of one block at a time; an entry whose block id is out
+        // of range (-1 in an index list; a bad table entry, only reachable unvalidated) is skipped,
+        // never read.
         int64_t nt = 0;
         while (nt < kTile && t < unit.t1) {
-          const int64_t j = t / bs, off = t % bs;  // t < len <= maxb * bs: j < maxb
-          const int64_t id = table[row + j];
-          const int64_t run = std::min({bs - off, unit.t1 - t, kTile - nt});
-          if (id >= 0 && id < NB) {
-            const T* kp = kc + id * ks0 + off * ks1;
-            const T* vp = vc + id * vs0 + off * vs1;
-            for (int64_t i = 0; i < run; ++i) tiles.stage(nt + i, kp + i * ks1, vp + i * vs1);
-            nt += run;
+          const Slot s = positions.slot(unit.row, t, std::min(unit.t1 - t, kTile - nt));
+          if (s.id >= 0 && s.id < NB) {
+            const T* kp = kc + s.id * ks0 + s.offset * ks1;
+            const T* vp = vc + s.id * vs0 + s.offset * vs1;
+            for (int64_t i = 0; i < s.run; ++i) tiles.stage(nt + i, kp + i * ks1, vp + i * vs1);
+            nt += s.run;
           }
-          t += run;
+          t += s.run;
         }
         if (nt == 0) continue;
-        prefetch_tile(unit.b, t, std::min(unit.t1, t + kTile));
+        prefetch_tile(unit.row, t, std::min(unit.t1, t + kTile));
         tiles.scores(qlb, qpb, nt, scores.data());
         // Online softmax, one update per tile and head.
         for (int64_t n = 0; n < N; ++n) {
@@ -694,7 +622,7 @@ void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at:
   });
 
   // Merge the units of every (row, head) and write the output dtype; rows without any attended
-  // token (length 0, or every block skipped) get zeros.
+  // entry (length 0, nothing listed, or every block skipped) get zeros.
   T* o = out.data_ptr<T>();
   at::parallel_for(0, B * N, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(L);
@@ -730,6 +658,54 @@ void decode_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at:
   });
 }
 
+// The output of one attention call: the dtype dispatch and the choice of tile engine.
+template <typename Positions>
+at::Tensor attend(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const Positions& positions, const std::vector<int64_t>& entries,
+                  double softmax_scale) {
+  at::Tensor out = at::empty(q_latent.sizes(), q_latent.options());
+  if (q_latent.size(0) == 0 || out.numel() == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_latent.scalar_type(), "mla_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "mla native attention kernels: float64 is served by the reference kernel");
+    } else {
+#if defined(MLA_BF16_DOT)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        const Geometry geo{q_latent.size(1), q_latent.size(2), q_pe.size(2), key_cache.stride(3),
+                           value_cache.stride(3)};
+        if (Bf16DotTiles::serves(geo)) {
+          attention_kernel<scalar_t, Bf16DotTiles>(q_latent, q_pe, key_cache, value_cache, positions, entries,
+                                                   softmax_scale, out);
+          return;
+        }
+      }
+#endif
+      attention_kernel<scalar_t, F32Tiles<scalar_t>>(q_latent, q_pe, key_cache, value_cache, positions, entries,
+                                                     softmax_scale, out);
+    }
+  });
+  return out;
+}
+
+// The request of every query token, after the Python check_index_values (ValueError, the same
+// message): every index of request b's tokens is -1 (none) or a position in [0, seq_lens[b]).
+std::vector<int64_t> check_index_values(const IndexView& indices, int64_t num_tokens, int64_t width,
+                                        const std::vector<SparseRequest>& requests) {
+  std::vector<int64_t> request(num_tokens, 0);
+  for (size_t b = 0; b < requests.size(); ++b)
+    for (int64_t i = 0; i < requests[b].num_queries; ++i) request[requests[b].first_token + i] = b;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t limit = requests[request[t]].seq_len;
+    for (int64_t k = 0; k < width; ++k) {
+      const int64_t v = indices[t * width + k];
+      TORCH_CHECK_VALUE(v >= -1 && v < limit, "mla.sparse_mla_attention: topk_indices[", t, ", ", k, "] = ", v,
+                        " is not a position of request ", request[t], " (its ", limit,
+                        " cached tokens) nor -1 (none)");
+    }
+  }
+  return request;
+}
+
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
@@ -741,28 +717,23 @@ at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, 
   const at::Tensor lens_t = seq_lens.contiguous();
   const std::vector<int64_t> lens =
       attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs, validate);
-  at::Tensor out = at::empty(q_latent.sizes(), q_latent.options());
-  if (B == 0 || out.numel() == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_latent.scalar_type(), "mla_decode_attention", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "mla native decode_attention: float64 is served by the reference kernel");
-    } else {
-#if defined(MLA_BF16_DOT)
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        const Geometry geo{q_latent.size(1), q_latent.size(2), q_pe.size(2), key_cache.stride(3),
-                           value_cache.stride(3)};
-        if (Bf16DotTiles::serves(geo)) {
-          decode_kernel<scalar_t, Bf16DotTiles>(q_latent, q_pe, key_cache, value_cache, tables, lens, softmax_scale,
-                                                out);
-          return;
-        }
-      }
-#endif
-      decode_kernel<scalar_t, F32Tiles<scalar_t>>(q_latent, q_pe, key_cache, value_cache, tables, lens,
-                                                 softmax_scale, out);
-    }
-  });
-  return out;
+  return attend(q_latent, q_pe, key_cache, value_cache, DecodePositions{IndexView(tables), tables.size(1), bs}, lens,
+                softmax_scale);
+}
+
+at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                const at::Tensor& topk_indices, double softmax_scale) {
+  const int64_t T = q_latent.size(0), NB = key_cache.size(0), bs = key_cache.size(1);
+  const at::Tensor tables = block_tables.contiguous(), indices_t = topk_indices.contiguous();
+  const std::vector<SparseRequest> requests =
+      check_request_values("sparse_mla_attention", T, tables, seq_lens, query_start_loc, NB, bs);
+  const int64_t width = indices_t.size(1);
+  const IndexView indices(indices_t);
+  const std::vector<int64_t> request = check_index_values(indices, T, width, requests);
+  const SparsePositions positions{IndexView(tables), indices, tables.size(1), bs, width, &request};
+  return attend(q_latent, q_pe, key_cache, value_cache, positions, std::vector<int64_t>(T, width), softmax_scale);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 namespace mla_native {
 inline namespace CPU_CAPABILITY {
@@ -19,6 +20,35 @@ inline namespace CPU_CAPABILITY {
 at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double softmax_scale, bool validate);
+
+// Sparse MLA (lightning_indexer.cpp, decode_attention.cpp). Requests as the Python ops lay them out
+// (mla_ops/ops/sparse_attention.py): block_tables [B, maxb], seq_lens [B], query_start_loc [B + 1].
+// A request's query tokens are rows [first_token, first_token + num_queries); it holds seq_len
+// cached tokens, its queries included.
+struct SparseRequest {
+  int64_t first_token, num_queries, seq_len;
+};
+
+// The Python check_request_values: the same checks in the same order, ValueError with its
+// messages (values near 2**63 included); returns the requests.
+std::vector<SparseRequest> check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
+                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                                int64_t num_blocks, int64_t block_size);
+
+// q [T, H, D], weights [T, H] (fp32 or q's dtype), k_cache [NB, bs, 1, D] (any strides) -> int32
+// [T, topk]: the positions of each token's topk best scores, best first (ties: lower position first;
+// NaN above every number), -1 past the p + 1 positions token t at position p sees.
+at::Tensor lightning_indexer(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t topk, double softmax_scale);
+
+// q_latent [T, N, L], q_pe [T, N, R]; the cache pair of decode_attention; topk_indices [T, K]
+// int32/int64 (request-local positions, -1 none) -> o_latent [T, N, L] in q's dtype. Raises the
+// ValueError of check_request_values / check_index_values before computing anything.
+at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                const at::Tensor& topk_indices, double softmax_scale);
 
 // hidden [B, S, H] -> (latent [B, S, L], k_pe [B, S, R]).
 std::tuple<at::Tensor, at::Tensor> latent_kv_prolog(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
@@ -41,6 +71,8 @@ void gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cac
 
 void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+// The one-pool twin (mla.scatter_pa_cache): key [T, H, D] into cache [NB, bs, H, D].
+void scatter_pa_cache(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping);
 
 // Metadata checks (arguments.cpp): the C++ twins of the ops' Python checks, same messages.
 void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
@@ -57,6 +89,14 @@ void check_kv_prolog_args(const at::Tensor& hidden, const at::Tensor& kv_a_weigh
                           std::string_view rope_layout, std::string_view rope_compute_dtype);
 void check_scatter_pa_kv_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                     const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void check_scatter_pa_cache_args(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping);
+void check_lightning_indexer_args(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  const at::Tensor& query_start_loc, int64_t topk, double softmax_scale);
+void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     const at::Tensor& topk_indices, double softmax_scale);
 void check_gather_pa_kv_cache_args(const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& key,
                                    const at::Tensor& value, const std::optional<at::Tensor>& seq_offset,

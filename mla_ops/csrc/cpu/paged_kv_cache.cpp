@@ -1,4 +1,4 @@
-// mla.gather_pa_kv_cache / mla.scatter_pa_kv_cache on CPU.
+// mla.gather_pa_kv_cache / mla.scatter_pa_kv_cache / mla.scatter_pa_cache on CPU.
 //
 // Caches are [num_blocks, block_size, heads, dim] with any strides (e.g. pool[..., :512].unsqueeze(2)
 // of a vLLM-style [NB, bs, 576] pool): element (blk, off, h, d) lives at
@@ -247,8 +247,12 @@ void gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cac
   });
 }
 
-void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                         const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+namespace {
+
+// Rows of key (and of value, when present: a cache pair) into their caches at slot_mapping's slots:
+// scatter_pa_kv_cache and its one-pool twin scatter_pa_cache (`op` names the op in the messages).
+void scatter_rows(std::string_view op, const at::Tensor& key, const at::Tensor* value, const at::Tensor& key_cache,
+                  const at::Tensor* value_cache, const at::Tensor& slot_mapping) {
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
   // the caches are writable (no stride-0 dim), so their slot count fits in memory, hence in int64
   const int64_t num_slots = NB * bs;
@@ -256,20 +260,24 @@ void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const a
   const IndexView slots(slots_t);
   const int64_t T = key.size(0);
   for (int64_t i = 0; i < T; ++i) {  // negative = padding, skipped
-    TORCH_CHECK_VALUE(slots[i] < num_slots, prefix("scatter_pa_kv_cache"), "slot_mapping[", i, "] = ", slots[i],
+    TORCH_CHECK_VALUE(slots[i] < num_slots, prefix(op), "slot_mapping[", i, "] = ", slots[i],
                       " is outside the cache (num_blocks * block_size = ", num_slots,
                       " slots); use a negative slot for padding");
   }
   if (T == 0) return;
 
-  const RowLayout kc = row_layout(key_cache, 2), vc = row_layout(value_cache, 2);
-  const RowLayout ki = row_layout(key, 1), vi = row_layout(value, 1);
+  const bool pair = value != nullptr;
+  const RowLayout kc = row_layout(key_cache, 2), ki = row_layout(key, 1);
   const int64_t kc_s0 = key_cache.stride(0) * kc.elem, kc_s1 = key_cache.stride(1) * kc.elem;
-  const int64_t vc_s0 = value_cache.stride(0) * vc.elem, vc_s1 = value_cache.stride(1) * vc.elem;
-  const int64_t ki_s0 = key.stride(0) * ki.elem, vi_s0 = value.stride(0) * vi.elem;
-  const int64_t grain = grain_for(kc.row_bytes + vc.row_bytes);
-  const bool stream = T * (kc.row_bytes + vc.row_bytes) >= kStreamBytes;
-  const bool interleave = kc.row_contiguous && vc.row_contiguous && ki.row_contiguous && vi.row_contiguous &&
+  const int64_t ki_s0 = key.stride(0) * ki.elem;
+  // the value side of a pair (unused for one pool)
+  const RowLayout vc = row_layout(pair ? *value_cache : key_cache, 2), vi = row_layout(pair ? *value : key, 1);
+  const int64_t vc_s0 = pair ? value_cache->stride(0) * vc.elem : 0, vc_s1 = pair ? value_cache->stride(1) * vc.elem : 0;
+  const int64_t vi_s0 = pair ? value->stride(0) * vi.elem : 0;
+  const int64_t token_bytes = kc.row_bytes + (pair ? vc.row_bytes : 0);
+  const int64_t grain = grain_for(token_bytes);
+  const bool stream = T * token_bytes >= kStreamBytes;
+  const bool interleave = pair && kc.row_contiguous && vc.row_contiguous && ki.row_contiguous && vi.row_contiguous &&
                           !(kc_s1 == kc.row_bytes && ki_s0 == ki.row_bytes);
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end;) {
@@ -291,12 +299,23 @@ void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const a
         }
       } else {
         copy_rows(kd, kc_s1, kc, ki.base + i * ki_s0, ki_s0, ki, n, stream);
-        copy_rows(vd, vc_s1, vc, vi.base + i * vi_s0, vi_s0, vi, n, stream);
+        if (pair) copy_rows(vd, vc_s1, vc, vi.base + i * vi_s0, vi_s0, vi, n, stream);
       }
       i += n;
     }
     stream_fence(stream);
   });
+}
+
+}  // namespace
+
+void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  scatter_rows("scatter_pa_kv_cache", key, &value, key_cache, &value_cache, slot_mapping);
+}
+
+void scatter_pa_cache(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping) {
+  scatter_rows("scatter_pa_cache", key, nullptr, cache, nullptr, slot_mapping);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -86,23 +86,57 @@ Reasons prolog_reasons(const at::Tensor& hidden, const at::Tensor& cos, const at
   return reasons;
 }
 
-Reasons decode_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+namespace {
+
+// The attention kernels (decode and sparse: one kernel, decode_attention.cpp) read cached rows in place.
+Reasons attention_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          std::string_view kernel) {
   Reasons reasons;
   add_dtype_reason(reasons, q_latent);
   if (key_cache.stride(3) != 1 || value_cache.stride(3) != 1) {
-    reasons.push_back("the caches' last dim must be unit-stride for the native decode kernel");
+    reasons.push_back("the caches' last dim must be unit-stride for the native " + std::string(kernel) + " kernel");
   }
+  return reasons;
+}
+
+}  // namespace
+
+Reasons decode_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  return attention_reasons(q_latent, key_cache, value_cache, "decode");
+}
+
+Reasons sparse_attention_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache) {
+  return attention_reasons(q_latent, key_cache, value_cache, "sparse attention");
+}
+
+Reasons indexer_reasons(const at::Tensor& q) {
+  Reasons reasons;
+  add_dtype_reason(reasons, q);
   return reasons;
 }
 
 // --------------------------------------------------------------------------------- binding state
 namespace {
 
-enum BoundOp : size_t { kDecode, kKvProlog, kLatentKvProlog, kGather, kGatherFunctional, kScatter, kNumOps };
+enum BoundOp : size_t {
+  kDecode,
+  kKvProlog,
+  kLatentKvProlog,
+  kGather,
+  kGatherFunctional,
+  kScatter,
+  kScatterOnePool,
+  kIndexer,
+  kSparseAttention,
+  kNumOps
+};
 
 constexpr std::array<const char*, kNumOps> kOpNames = {
-    "mla_decode_attention", "kv_prolog", "latent_kv_prolog", "gather_pa_kv_cache", "gather_pa_kv_cache_functional",
-    "scatter_pa_kv_cache"};
+    "mla_decode_attention", "kv_prolog",         "latent_kv_prolog",
+    "gather_pa_kv_cache",   "gather_pa_kv_cache_functional",
+    "scatter_pa_kv_cache",  "scatter_pa_cache",  "lightning_indexer",
+    "sparse_mla_attention"};
 
 struct OpBinding {
   bool demand = false;         // this backend was requested by name: refuse what it cannot serve
@@ -205,6 +239,36 @@ std::tuple<at::Tensor, at::Tensor> serve_latent_kv_prolog(const at::Tensor& hidd
   return latent_kv_prolog(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, rope_layout == "interleaved");
 }
 
+template <Caller caller>
+at::Tensor serve_lightning_indexer(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   const at::Tensor& query_start_loc, int64_t topk, double softmax_scale) {
+  check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale);
+  const Reasons reasons = indexer_reasons(q);
+  if (!reasons.empty()) {
+    return not_served<caller, at::Tensor>(kIndexer, reasons, q, weights, k_cache, block_tables, seq_lens,
+                                          query_start_loc, topk, softmax_scale);
+  }
+  return lightning_indexer(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale);
+}
+
+template <Caller caller>
+at::Tensor serve_sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_pe,
+                                      const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                      const at::Tensor& query_start_loc, const at::Tensor& topk_indices,
+                                      double softmax_scale) {
+  check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                  topk_indices, softmax_scale);
+  const Reasons reasons = sparse_attention_reasons(q_latent, key_cache, value_cache);
+  if (!reasons.empty()) {
+    return not_served<caller, at::Tensor>(kSparseAttention, reasons, q_latent, q_pe, key_cache, value_cache,
+                                          block_tables, seq_lens, query_start_loc, topk_indices, softmax_scale);
+  }
+  return sparse_mla_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                              topk_indices, softmax_scale);
+}
+
 // ----------------------------------------------------------------------------- CPU-key kernels
 // (the schema's signatures; gather and scatter have no reasons, so the direct calls are the same)
 at::Tensor decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
@@ -240,6 +304,11 @@ void scatter_cpu(const at::Tensor& key, const at::Tensor& value, const at::Tenso
                  const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_scatter_pa_kv_cache_args(key, value, key_cache, value_cache, slot_mapping);
   scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping);
+}
+
+void scatter_one_pool_cpu(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping) {
+  check_scatter_pa_cache_args(key, cache, slot_mapping);
+  scatter_pa_cache(key, cache, slot_mapping);
 }
 
 // -------------------------------------------------------------------------- AutogradCPU kernel
@@ -279,6 +348,11 @@ void register_cpu_kernel(torch::Library& library, BoundOp op) {
     case kGather: library.impl(kOpNames[op], TORCH_FN(gather_cpu)); break;
     case kGatherFunctional: library.impl(kOpNames[op], TORCH_FN(gather_functional_cpu)); break;
     case kScatter: library.impl(kOpNames[op], TORCH_FN(scatter_cpu)); break;
+    case kScatterOnePool: library.impl(kOpNames[op], TORCH_FN(scatter_one_pool_cpu)); break;
+    case kIndexer: library.impl(kOpNames[op], TORCH_FN(serve_lightning_indexer<Caller::kDispatcher>)); break;
+    case kSparseAttention:
+      library.impl(kOpNames[op], TORCH_FN(serve_sparse_mla_attention<Caller::kDispatcher>));
+      break;
     case kNumOps: break;
   }
 }
@@ -363,6 +437,25 @@ std::tuple<at::Tensor, at::Tensor> call_gather_pa_kv_cache_functional(
 void call_scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                               const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   scatter_cpu(key, value, key_cache, value_cache, slot_mapping);
+}
+
+void call_scatter_pa_cache(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping) {
+  scatter_one_pool_cpu(key, cache, slot_mapping);
+}
+
+at::Tensor call_lightning_indexer(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  const at::Tensor& query_start_loc, int64_t topk, double softmax_scale) {
+  return serve_lightning_indexer<Caller::kDirect>(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk,
+                                                  softmax_scale);
+}
+
+at::Tensor call_sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     const at::Tensor& topk_indices, double softmax_scale) {
+  return serve_sparse_mla_attention<Caller::kDirect>(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
+                                                     query_start_loc, topk_indices, softmax_scale);
 }
 
 }  // namespace CPU_CAPABILITY

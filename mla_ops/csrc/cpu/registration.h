@@ -18,6 +18,9 @@ using Reasons = std::vector<std::string>;
 Reasons prolog_reasons(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                        std::string_view rope_layout, std::string_view rope_compute_dtype);
 Reasons decode_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache);
+Reasons sparse_attention_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache);
+Reasons indexer_reasons(const at::Tensor& q);
 
 // One op to serve from the dispatcher: `demand` (the backend was requested by name) refuses what the
 // kernel cannot serve with refusal_head + "; ".join(reasons) + refusal_tail; otherwise the reference
@@ -60,6 +63,14 @@ std::tuple<at::Tensor, at::Tensor> call_gather_pa_kv_cache_functional(
     const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum);
 void call_scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                               const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void call_scatter_pa_cache(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping);
+at::Tensor call_lightning_indexer(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  const at::Tensor& query_start_loc, int64_t topk, double softmax_scale);
+at::Tensor call_sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     const at::Tensor& topk_indices, double softmax_scale);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace mla_native

@@ -1,0 +1,265 @@
+// mla.lightning_indexer on CPU: the top-k cached positions of every query token.
+//
+//   score[t, j] = sum_h weights[t, h] * relu(softmax_scale * q[t, h] . k[j])    (fp32, j <= p_t)
+//
+// Scoring is a GEMM of query rows (tokens x heads) against cached keys. Work items are (a tile of
+// up to kTileTokens query tokens of one request, a chunk of its context): a decode step (one token)
+// splits its context over every core, and in a prefill each key row is read and converted to fp32
+// once per tile, then scored against all of the tile's tokens x heads with the register-blocked
+// fp32 micro-kernel of the attention kernels (score_blocks.h). The head reduction (scale, relu,
+// weights) runs on a key tile's dot products while they are in L1 and writes each token's score
+// row into a buffer of the call, which holds groups of tokens at a time to bound its size.
+//
+// Top-k: a token's scores become 64-bit keys (the score's bits mapped so that unsigned order is
+// descending score, NaN above every number and -0 equal to +0; then the position) whose ascending
+// order is exactly the op's order: descending score, equal scores by ascending position (the
+// reference's stable sort). std::nth_element selects the first k keys, std::sort orders them.
+//
+// Only positions 0..p_t of a token's own request are read, all inside validated blocks.
+#include "checks.h"
+#include "ops.h"
+#include "score_blocks.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace mla_native {
+inline namespace CPU_CAPABILITY {
+
+// mla_ops/ops/sparse_attention.py: check_request_values
+std::vector<SparseRequest> check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
+                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                                int64_t num_blocks, int64_t block_size) {
+  const at::Tensor tables_t = block_tables.contiguous(), lens_t = seq_lens.contiguous();
+  const at::Tensor starts_t = query_start_loc.contiguous();
+  const IndexView table(tables_t), lens(lens_t), starts(starts_t);
+  const int64_t B = lens_t.size(0), columns = tables_t.size(1);
+  TORCH_CHECK_VALUE(starts[0] == 0, prefix(op), "query_start_loc must start at 0, got query_start_loc[0] = ",
+                    starts[0]);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(starts[b + 1] >= starts[b], prefix(op), "query_start_loc must never decrease, but query_start_loc[",
+                      b + 1, "] = ", starts[b + 1], " < query_start_loc[", b, "] = ", starts[b]);
+  }
+  TORCH_CHECK_VALUE(starts[B] == num_tokens, prefix(op), "query_start_loc[-1] = ", starts[B],
+                    " must equal the number of query tokens (", num_tokens, ")");
+  // 128 bits: the table's capacity must not wrap into an accepted length
+  const __int128 capacity = static_cast<__int128>(columns) * block_size;
+  std::vector<SparseRequest> requests(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens[b];
+    // from 0, never decreasing, ending at num_tokens: every entry is in [0, num_tokens], no overflow
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK_VALUE(n >= q_len, prefix(op), "seq_lens[", b, "] = ", n, " is less than the request's ", q_len,
+                      " query tokens; seq_lens counts the cached tokens including the new ones (write them first)");
+    TORCH_CHECK_VALUE(n <= capacity, prefix(op), "seq_lens[", b, "] = ", n, " exceeds the block table's capacity (",
+                      columns, " blocks x ", block_size, " tokens)");
+    requests[b] = {starts[b], q_len, n};
+  }
+  // mla_ops/ops/_paged.py: check_used_block_ids (the first bad id a request uses, row-major)
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = requests[b].seq_len;  // in [0, capacity]: the used columns are < columns
+    const int64_t used = n / block_size + (n % block_size != 0);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t id = table[b * columns + j];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, prefix(op), "block_tables[", b, ", ", j, "] = ", id,
+                        " is used by sequence ", b, " but is not a block id in [0, ", num_blocks, ")");
+    }
+  }
+  return requests;
+}
+
+namespace {
+
+constexpr int64_t kTileTokens = 4;    // query tokens that share every key row read
+constexpr int64_t kKeyTile = 16;      // keys converted and scored together (their dots stay in L1)
+constexpr int64_t kKeyChunk = 512;    // keys of one work item
+constexpr int64_t kGroupScores = int64_t{1} << 24;  // score-buffer floats per group of tokens (64 MiB)
+static_assert(kKeyTile % kScoreTokens == 0, "key tiles are whole score blocks");
+
+// Query tokens [first, first + count) of request `request`, the first at position `first_position`:
+// together they see positions [0, width()).
+struct TokenTile {
+  int64_t first, count, request, first_position;
+  int64_t width() const { return first_position + count; }
+};
+
+struct WorkItem {
+  int64_t tile, j0, j1;  // keys [j0, j1) of tile `tile`
+};
+
+// Ascending order of the keys = the op's order of (score, position).
+inline uint64_t order_key(float score, int64_t position) {
+  uint32_t descending = 0;  // NaN: before every number
+  if (!std::isnan(score)) {
+    if (score == 0.f) score = 0.f;  // -0 ties with +0, as the reference's comparisons say
+    uint32_t bits;
+    std::memcpy(&bits, &score, sizeof bits);
+    const uint32_t ascending = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    descending = ~ascending;
+  }
+  return (static_cast<uint64_t>(descending) << 32) | static_cast<uint32_t>(position);
+}
+
+template <typename T>
+void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache, const IndexView& table,
+                    int64_t maxb, const std::vector<SparseRequest>& requests, int64_t topk, float scale,
+                    int32_t* out) {
+  constexpr int64_t W = fVec::size();
+  static_assert(kKeyTile % W == 0, "a key tile is whole vectors");
+  constexpr bool kQueriesInPlace = std::is_same_v<T, float>;
+  const int64_t H = q.size(1), D = q.size(2), bs = k_cache.size(1);
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks3 = k_cache.stride(3);
+  const bool keys_in_place = std::is_same_v<T, float> && ks3 == 1;
+  const T* kc = k_cache.const_data_ptr<T>();
+  const T* qd = q.const_data_ptr<T>();               // contiguous [T, H, D]
+  const float* w = weights.const_data_ptr<float>();  // contiguous fp32 [T, H]
+
+  std::vector<TokenTile> tiles;
+  for (int64_t b = 0; b < static_cast<int64_t>(requests.size()); ++b) {
+    const SparseRequest& r = requests[b];
+    for (int64_t i = 0; i < r.num_queries; i += kTileTokens)
+      tiles.push_back({r.first_token + i, std::min(kTileTokens, r.num_queries - i), b, r.seq_len - r.num_queries + i});
+  }
+
+  std::vector<float> scores;
+  for (size_t g0 = 0; g0 < tiles.size();) {
+    // A group of tiles whose score rows fit the buffer (at least one tile).
+    std::vector<int64_t> offset;  // of each tile's [count, width] scores in the buffer
+    int64_t floats = 0;
+    size_t g1 = g0;
+    while (g1 < tiles.size() && (g1 == g0 || floats + tiles[g1].count * tiles[g1].width() <= kGroupScores)) {
+      offset.push_back(floats);
+      floats += tiles[g1].count * tiles[g1].width();
+      ++g1;
+    }
+    scores.resize(floats);
+    std::vector<WorkItem> items;
+    for (size_t g = g0; g < g1; ++g)
+      for (int64_t j0 = 0; j0 < tiles[g].width(); j0 += kKeyChunk)
+        items.push_back({static_cast<int64_t>(g), j0, std::min(tiles[g].width(), j0 + kKeyChunk)});
+
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q32(kQueriesInPlace ? 0 : kTileTokens * H * D), keys32(kKeyTile * D), zeros(D, 0.f);
+      std::vector<float> dots(kTileTokens * H * kKeyTile);
+      std::vector<const float*> qrows(kTileTokens * H);
+      const float* krows[kKeyTile];
+      const fVec sv(scale), zero(0.f);
+      for (int64_t it = begin; it < end; ++it) {
+        const WorkItem item = items[it];
+        const TokenTile& tile = tiles[item.tile];
+        const int64_t rows = tile.count * H, width = tile.width();
+        for (int64_t r = 0; r < rows; ++r) {
+          const T* src = qd + (tile.first * H + r) * D;
+          if constexpr (kQueriesInPlace) {
+            qrows[r] = src;
+          } else {
+            row_to_f32<T>(q32.data() + r * D, src, D, 1);
+            qrows[r] = q32.data() + r * D;
+          }
+        }
+        float* tile_scores = scores.data() + offset[item.tile - g0];
+        for (int64_t j = item.j0; j < item.j1; j += kKeyTile) {
+          const int64_t nk = std::min(kKeyTile, item.j1 - j);
+          for (int64_t i = 0; i < nk; ++i) {
+            const int64_t position = j + i;  // < seq_len <= maxb * bs, in a validated block
+            const int64_t id = table[tile.request * maxb + position / bs];
+            const T* src = kc + id * ks0 + (position % bs) * ks1;
+            if (keys_in_place) {
+              krows[i] = reinterpret_cast<const float*>(src);
+            } else {
+              row_to_f32<T>(keys32.data() + i * D, src, D, ks3);
+              krows[i] = keys32.data() + i * D;
+            }
+          }
+          const int64_t padded = (nk + kScoreTokens - 1) / kScoreTokens * kScoreTokens;
+          for (int64_t i = nk; i < padded; ++i) krows[i] = zeros.data();
+          std::fill(dots.begin(), dots.begin() + rows * kKeyTile, 0.f);
+          // one part only (R = 0): the query rows against the keys
+          int64_t r = 0;
+          for (; r + kScoreHeads <= rows; r += kScoreHeads)
+            for (int64_t k = 0; k < padded; k += kScoreTokens)
+              f32_score_block<kScoreHeads, kScoreTokens>(qrows.data() + r, krows + k, D, qrows.data() + r, krows + k,
+                                                         0, dots.data() + r * kKeyTile + k, kKeyTile);
+          for (; r < rows; ++r)
+            for (int64_t k = 0; k < padded; k += kScoreTokens)
+              f32_score_block<1, kScoreTokens>(qrows.data() + r, krows + k, D, qrows.data() + r, krows + k, 0,
+                                               dots.data() + r * kKeyTile + k, kKeyTile);
+          for (int64_t tt = 0; tt < tile.count; ++tt) {
+            fVec acc[kKeyTile / W];
+            for (auto& a : acc) a = fVec(0.f);
+            const float* wt = w + (tile.first + tt) * H;
+            for (int64_t h = 0; h < H; ++h) {
+              const fVec wv(wt[h]);
+              const float* row = dots.data() + (tt * H + h) * kKeyTile;
+              // at::vec::maximum propagates NaN, as torch.relu does
+              for (int64_t c = 0; c < kKeyTile / W; ++c)
+                acc[c] = at::vec::fmadd(wv, at::vec::maximum(fVec::loadu(row + c * W) * sv, zero), acc[c]);
+            }
+            float tile_row[kKeyTile];
+            for (int64_t c = 0; c < kKeyTile / W; ++c) acc[c].store(tile_row + c * W);
+            std::copy(tile_row, tile_row + nk, tile_scores + tt * width + j);
+          }
+        }
+      }
+    });
+
+    // Top-k of every token of the group.
+    std::vector<std::pair<int64_t, int64_t>> tokens;  // (tile, token of the tile)
+    for (size_t g = g0; g < g1; ++g)
+      for (int64_t tt = 0; tt < tiles[g].count; ++tt) tokens.emplace_back(static_cast<int64_t>(g), tt);
+    at::parallel_for(0, static_cast<int64_t>(tokens.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint64_t> keys;
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [g, tt] = tokens[i];
+        const TokenTile& tile = tiles[g];
+        const int64_t seen = tile.first_position + tt + 1;  // positions 0..p
+        const float* row = scores.data() + offset[g - g0] + tt * tile.width();
+        keys.resize(seen);
+        for (int64_t j = 0; j < seen; ++j) keys[j] = order_key(row[j], j);
+        const int64_t k = std::min(topk, seen);
+        if (k < seen) std::nth_element(keys.begin(), keys.begin() + k, keys.end());
+        std::sort(keys.begin(), keys.begin() + k);
+        int32_t* dst = out + (tile.first + tt) * topk;
+        for (int64_t j = 0; j < k; ++j) dst[j] = static_cast<int32_t>(keys[j] & 0xffffffffu);
+      }
+    });
+    g0 = g1;
+  }
+}
+
+}  // namespace
+
+at::Tensor lightning_indexer(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t topk, double softmax_scale) {
+  const int64_t T = q.size(0);
+  const at::Tensor tables = block_tables.contiguous();
+  const std::vector<SparseRequest> requests = check_request_values(
+      "lightning_indexer", T, tables, seq_lens, query_start_loc, k_cache.size(0), k_cache.size(1));
+  for (const SparseRequest& r : requests) {
+    // the order keys and the int32 output hold positions in 32 bits
+    TORCH_CHECK(r.seq_len <= std::numeric_limits<int32_t>::max(), prefix("lightning_indexer"),
+                "the native kernel indexes at most 2**31 - 1 cached tokens per request, got ", r.seq_len);
+  }
+  at::Tensor out = at::empty({T, topk}, q.options().dtype(at::kInt));
+  int32_t* o = out.data_ptr<int32_t>();
+  std::fill(o, o + out.numel(), -1);
+  if (T == 0) return out;
+  const at::Tensor qc = q.contiguous(), w32 = weights.to(at::kFloat).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "lightning_indexer", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "mla native lightning_indexer: float64 is served by the reference kernel");
+    } else {
+      indexer_kernel<scalar_t>(qc, w32, k_cache, IndexView(tables), tables.size(1), requests, topk,
+                               static_cast<float>(softmax_scale), o);
+    }
+  });
+  return out;
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mla_native
