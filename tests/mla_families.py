@@ -4,7 +4,7 @@ hidden 64, 2 attention layers, vocab 256), for the family tests.
 FAMILIES: model_type -> (config class path, model class path, config kwargs).
 Shared dims: 4 heads, q_lora_rank 32 (None where the family's checkpoints have no q-LoRA),
 kv_lora_rank 32, qk_nope 16, qk_rope 16, v 16. MoE layers: 4 routed experts, top-2, 1 shared.
-Sparse-attention (DSA) indexers keep top-8. YaRN (DeepSeek-V2/V3/V3.2, Mistral-4, Mistral-Large-4)
+Sparse-attention (DSA) indexers keep top-8 (8 heads of 32). YaRN (DeepSeek-V2/V3/V3.2, Mistral-4, Mistral-Large-4)
 and LongRoPE (MiniCPM3) where the real checkpoints use them.
 
 qk_rope is 16, not smaller: DeepSeek-V2's stock RoPE multiplies complex numbers, and ATen's scalar
@@ -23,7 +23,8 @@ MLA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_v
            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
            max_position_embeddings=128, intermediate_size=128)
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32)
-DSA = dict(index_topk=8, index_head_dim=16, index_n_heads=8)
+# index_head_dim above qk_rope 16, as in the real models (128 over 64): part of each indexer head is not rotated
+DSA = dict(index_topk=8, index_head_dim=32, index_n_heads=8)
 
 
 def yarn(mscale=1.0, mscale_all_dim=1.0, **extra):
@@ -138,10 +139,23 @@ FAMILIES = {
 def mla_layers(config) -> int:
     """How many MLA attention layers a model of this config runs per forward, read off the config:
     the hybrids (Bailing-hybrid, Kimi-Linear) list their layer kinds in `layer_types`, of which the
-    "full_attention" ones are MLA; every other supported family is MLA in each of its
-    `num_hidden_layers` (LongCat-Flash counts its two MLA sublayers per decoder layer there)."""
+    "full_attention" ones are MLA (the sparse-attention families call theirs "indexed_attention");
+    every other supported family is MLA in each of its `num_hidden_layers` (LongCat-Flash counts its
+    two MLA sublayers per decoder layer there)."""
     layer_types = getattr(config, "layer_types", None)
-    return layer_types.count("full_attention") if layer_types else config.num_hidden_layers
+    if not layer_types:
+        return config.num_hidden_layers
+    return sum(kind in ("full_attention", "indexed_attention") for kind in layer_types)
+
+
+def indexer_layers(config) -> int:
+    """How many layers run their own sparse-attention indexer (DeepSeek Sparse Attention), read off the
+    config: every layer of a config with `index_topk`, less the "shared" ones of `indexer_types`
+    (GLM-5, HY-V4: they reuse the previous layer's top-k); 0 for dense attention."""
+    if not getattr(config, "index_topk", None):
+        return 0
+    indexer_types = getattr(config, "indexer_types", None)
+    return indexer_types.count("full") if indexer_types else config.num_hidden_layers
 
 
 def load(path: str):

@@ -6,7 +6,9 @@ where the stock forward does), greedy tokens equal (dense, and paged where the m
 layer), `torch.compile(fullgraph=True)` with the ops as graph nodes, revert back to stock. Every
 comparison also counts the mla ops that ran against what the config says they must be (per MLA layer
 and forward), so a path that silently fell back to stock code fails. Families the patch must refuse
-(sparse-attention indexers) are refused with the reason.
+(sparse-attention indexers beyond DeepSeek-V3.2's, forwards doing more) are refused with the reason.
+The DeepSeek Sparse Attention families the patch serves run every test here too (their top-k through
+mla.lightning_indexer, counted); tests/test_sparse_families.py has what is particular to them.
 """
 import json
 import subprocess
@@ -26,11 +28,13 @@ pytestmark = pytest.mark.slow
 INSTALLED = families.installed_mla_model_types()
 # What the patch must conclude from each family's structure (it reads the classes, not this table).
 SPARSE = {"axk2", "deepseek_v32", "dots3_note", "glm5_next", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4"}
-SUPPORTED = [f for f in INSTALLED if f not in SPARSE]
+# DeepSeek-V3.2's forward and indexer (GLM-5: + cross-layer top-k sharing): served; the others refused
+SPARSE_SERVED = {"deepseek_v32", "glm_moe_dsa"}
+SUPPORTED = [f for f in INSTALLED if f not in SPARSE or f in SPARSE_SERVED]
 HYBRID = {"bailing_hybrid", "kimi_linear"}  # linear-attention layers beside the MLA ones: no paged cache
 EXPECTED_ROPE = {"deepseek_v2": "interleaved", "deepseek_v3": "half", "axk1": "half", "glm4_moe_lite": "half",
                  "youtu": "half", "mistral4": "half", "bailing_hybrid": "half", "longcat_flash": "half",
-                 "minicpm3": "neox", "kimi_linear": None}
+                 "minicpm3": "neox", "kimi_linear": None, "deepseek_v32": "half", "glm_moe_dsa": "half"}
 # Where each stock forward rounds its RoPE: DeepSeek-V2 multiplies complex fp32; the families on
 # DeepSeek-V3's forward rotate in the model's dtype; Kimi-Linear has none (NoPE: nothing to round).
 EXPECTED_ROUNDING = {f: "activation" for f in EXPECTED_ROPE} | {"deepseek_v2": "float32", "kimi_linear": "float32"}
@@ -54,6 +58,11 @@ def _model(family, attn="sdpa", seed=0, dtype=torch.float32, **overrides):
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
+        if getattr(config.get_text_config(), "index_topk", None):
+            # The pad token's embedding is zero (padding_idx), so a generated pad token's first indexer
+            # query is zero and all its scores tie: which tied keys torch.topk keeps is unspecified.
+            embedding = model.get_input_embeddings()
+            embedding.weight[embedding.padding_idx].normal_()
     return model.to(dtype)
 
 
@@ -71,14 +80,22 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
       kv_prolog); NoPE rotates nothing;
     * paged: latent_kv_prolog and scatter_pa_kv_cache every forward, q_pe through mla.rope, and
       mla_decode_attention in every decode step (never a dense kv_prolog, never the stock cache);
-    * rms_norm=True: every RMSNorm module of the model once, except kv_a_layernorm (inside the prolog).
+    * rms_norm=True: every RMSNorm module of the model once, except kv_a_layernorm (inside the prolog);
+    * sparse attention: lightning_indexer in every layer with its own indexer (not the "shared" ones of
+      config.indexer_types), which in the paged mode also writes its keys with scatter_pa_cache; the
+      paged decode attends with sparse_mla_attention instead of mla_decode_attention.
     """
     layers = mla_families.mla_layers(model.config)
+    indexed = mla_families.indexer_layers(model.config)
+    sparse = {"lightning_indexer": indexed} if indexed else {}
     per_forward = {}
     if options.get("cache") == "paged":
-        per_forward = {"latent_kv_prolog": layers, "scatter_pa_kv_cache": layers, "rope": layers}
+        scatter = {"scatter_pa_cache": indexed} if indexed else {}
+        per_forward = {"latent_kv_prolog": layers, "scatter_pa_kv_cache": layers, "rope": layers, **sparse, **scatter}
         calls = {op: n * forwards for op, n in per_forward.items()}
-        return {**calls, "mla_decode_attention": layers * decode_steps} if decode_steps else calls
+        decode = "sparse_mla_attention" if indexed else "mla_decode_attention"
+        return {**calls, decode: layers * decode_steps} if decode_steps else calls
+    per_forward.update(sparse)
     kv_prolog = options.get("kv_prolog", True)
     if kv_prolog:
         per_forward["latent_kv_prolog" if family in LATENT_PROLOG else "kv_prolog"] = layers
@@ -116,10 +133,11 @@ def test_family_is_recognised_by_structure(family):
     described = families.families_of(family)
     assert described, f"{family}: no MLA attention class recognised"
     for fam in described:
-        if family in SPARSE:
-            assert fam.refused and "sparse attention" in fam.refused, (fam.name, fam.refused)
+        if family in SPARSE and family not in SPARSE_SERVED:
+            assert fam.refused and fam.refused.startswith("sparse attention: "), (fam.name, fam.refused)
         else:
             assert fam.refused is None, (fam.name, fam.refused)
+        assert fam.sparse == (family in SPARSE_SERVED), fam.name
 
 
 @pytest.mark.parametrize("family", SUPPORTED)
@@ -165,10 +183,21 @@ def test_a_rope_function_is_checked_by_what_it_computes_not_its_name():
     assert families.rope_function_refusal(neox, ["apply_rotary_pos_emb"]) is None
 
 
-@pytest.mark.parametrize("family", sorted(SPARSE & set(INSTALLED)))
+# What each refused sparse family does that the ops do not compute, as its refusal must name it.
+SPARSE_REFUSALS = {
+    "axk2": "q_gate_proj",  # a fused query + output-gate projection over cat(q_resid, q_a)
+    "dots3_note": "k_rope_only_layernorm",  # a norm on k_pe, latent scales, a sliding window
+    "glm5_next": "get_pooled_states",  # the indexer scores pooled "KeyPool" keys, not every cached key
+    "hy_v4": "sinks",  # attention sinks and a gate (and a flipped indexer RoPE split)
+    "hy_v4_vl": "sinks",
+    "mistral_large4": "is_kv_shared_layer",  # cross-layer KV sharing, a normed, position-scaled indexer query
+}
+
+
+@pytest.mark.parametrize("family", sorted((SPARSE - SPARSE_SERVED) & set(INSTALLED)))
 def test_sparse_attention_families_are_refused_with_the_reason(family):
     model = _model(family, attn="eager")
-    with pytest.raises(NotImplementedError, match="sparse attention: an indexer picks the top-k keys"):
+    with pytest.raises(NotImplementedError, match=f"cannot be patched: sparse attention: .*{SPARSE_REFUSALS[family]}"):
         patch.apply(model)
     assert not patch.active_patches()
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -362,8 +391,8 @@ def test_class_level_patch_of_a_family():
         patch.apply(family="llama")
     with pytest.raises(ValueError, match="no model_type 'nonesuch'"):
         patch.apply(family="nonesuch")
-    with pytest.raises(NotImplementedError, match="sparse attention"):
-        patch.apply(family="deepseek_v32")
+    with pytest.raises(NotImplementedError, match="sparse attention: .*sinks"):
+        patch.apply(family="hy_v4")
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3"])

@@ -1,5 +1,5 @@
-"""transformers integration: route multi-head latent attention (DeepSeek-V2/V3 and the MLA families
-built on them) through `torch.ops.mla`.
+"""transformers integration: route multi-head latent attention (DeepSeek-V2/V3, the MLA families
+built on them, and DeepSeek-V3.2 / GLM-5 sparse attention) through `torch.ops.mla`.
 
     from mla_ops.integrations import transformers as mla_transformers
     handle = mla_transformers.apply(model)                 # this model's attention layers only
@@ -10,8 +10,9 @@ Modules: `patch` (apply: what is patched, options), `families` (recognising MLA 
 by structure, and how each family differs), `releases` (what changed between transformers
 releases), `forwards` (the installed forwards), `attention_parts` (pieces every mode and family
 shares), `paged_cache` (MLAPagedCache), `paged_attention` (the paged forward, absorbed decode),
-`generation` (model-level cache hooks), `patching` (reversible, scoped attribute patches),
-`remote_code` (the hub remote code of DeepSeek-V2).
+`indexer` (DeepSeek Sparse Attention's top-k on mla.lightning_indexer), `generation` (model-level
+cache hooks), `patching` (reversible, scoped attribute patches), `remote_code` (the hub remote code
+of DeepSeek-V2).
 """
 from . import releases  # noqa: F401 (public: what each transformers release supports)
 from .families import MlaFamily, describe, families_of, installed_mla_model_types, is_mla_attention

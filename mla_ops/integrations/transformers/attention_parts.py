@@ -55,6 +55,7 @@ class ForwardInputs:
     position_ids: Optional[torch.Tensor]
     cache_position: Optional[torch.Tensor]
     extra: dict
+    prev_topk_indices: Optional[torch.Tensor] = None  # a "shared" sparse-attention layer's previous top-k
 
 
 def sort_arguments(family: MlaFamily, args: tuple, kwargs: dict) -> ForwardInputs:
@@ -72,7 +73,7 @@ def sort_arguments(family: MlaFamily, args: tuple, kwargs: dict) -> ForwardInput
     position_ids = named.get("position_ids", extra.get("position_ids"))
     cache_position = named.get("cache_position", extra.get("cache_position"))
     return ForwardInputs(named.get("attention_mask"), named.get("position_embeddings"), cache, position_ids,
-                         cache_position, extra)
+                         cache_position, extra, named.get("prev_topk_indices"))
 
 
 # --------------------------------------------------------------------------------------------- RoPE
@@ -110,21 +111,28 @@ def rotary(attn, patch: LayerPatch, position_embeddings, hidden_states) -> Rotar
     return Rotary(cos[..., :half], sin[..., :half], layout, (cos, sin), compute_dtype)
 
 
-def split_query(attn, hidden_states):
-    """q [B, S, N*(P+R)] -> (q_nope [B, N, S, P], q_pe [B, N, S, R]), as the stock forwards do."""
+def query_residual(attn, hidden_states):
+    """q_a_layernorm(q_a_proj(x)) [B, S, q_lora_rank]: the q-LoRA latent (a sparse-attention indexer's
+    input too)."""
+    return attn.q_a_layernorm(attn.q_a_proj(hidden_states))
+
+
+def split_query(attn, hidden_states, q_resid=None):
+    """q [B, S, N*(P+R)] -> (q_nope [B, N, S, P], q_pe [B, N, S, R]), as the stock forwards do
+    (`q_resid`: the q-LoRA latent when the caller already has it)."""
     batch, seq = hidden_states.shape[:-1]
     if getattr(attn, "q_a_proj", None) is None:
         q = attn.q_proj(hidden_states)
     else:
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden_states)))
+        q = attn.q_b_proj(query_residual(attn, hidden_states) if q_resid is None else q_resid)
     q = q.view(batch, seq, -1, attn.qk_nope_head_dim + attn.qk_rope_head_dim).transpose(1, 2)
     return torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
 
 
-def query(attn, patch: LayerPatch, hidden_states, rot: Rotary, *, rope_op: bool = False):
+def query(attn, patch: LayerPatch, hidden_states, rot: Rotary, *, rope_op: bool = False, q_resid=None):
     """(q_nope [B, N, S, P], q_pe [B, N, S, R] rotated): through mla.q_prolog (q_prolog=True), or the
     stock projections with q_pe through mla.rope (rope=True, or `rope_op`) or the family's own RoPE
-    function."""
+    function. `q_resid`: the q-LoRA latent, when the caller computed it (`query_residual`)."""
     opts, family = patch.options, patch.family
     if opts.q_prolog:
         lora = getattr(attn, "q_a_proj", None) is not None
@@ -135,7 +143,7 @@ def query(attn, patch: LayerPatch, hidden_states, rot: Rotary, *, rope_op: bool 
             q_norm.weight if lora else None, q_b.weight, rot.cos, rot.sin, num_heads=attn.num_heads,
             qk_nope_head_dim=attn.qk_nope_head_dim, eps=q_norm.variance_epsilon if lora else 1e-6,
             rope_layout=rot.op_layout, rope_compute_dtype=rot.compute_dtype)
-    q_nope, q_pe = split_query(attn, hidden_states)
+    q_nope, q_pe = split_query(attn, hidden_states, q_resid)
     if family.lora_scales:  # LongCat scales both parts before the rotation
         q_nope, q_pe = q_nope * attn.mla_scale_q_lora, q_pe * attn.mla_scale_q_lora
     if rot.layout is None:
@@ -192,6 +200,19 @@ def expand_latent(attn, latent):
 
 
 # ---------------------------------------------------------------------------------------- attention
+def sparse_query_residual(attn, patch: LayerPatch, hidden_states):
+    """The q-LoRA latent a layer's own sparse-attention indexer reads (None: dense attention, or a
+    "shared" layer reusing the previous layer's top-k)."""
+    if not patch.family.sparse or getattr(attn, "indexer", None) is None:
+        return None
+    return query_residual(attn, hidden_states)
+
+
+def sparse_result(patch: LayerPatch, output, weights, topk):
+    """The forward's return: (output, weights), and the top-k third where the stock forward returns it."""
+    return (output, weights, topk) if patch.family.shared_topk else (output, weights)
+
+
 def attend(attn, patch: LayerPatch, query_states, key_states, value_states, attention_mask, extra: dict):
     """The model's attention implementation (eager / sdpa / ...) over [B, N, S, *] states
     -> ([B, S, N, V], attention weights or None)."""

@@ -25,7 +25,17 @@ each marked by one name the forward uses:
 * `get_llama_4_attn_scale`: Mistral-4's position-dependent query scale;
 * `expand_kv`: the stock cache holds the latent (transformers >= 5.15; matters for rope=True with
   kv_prolog=False, which keeps the stock KV path);
-* `pad`: DeepSeek-V2 of 4.54 - 5.23 pads V to the qk head dim for flash attention; padded the same way.
+* `pad`: DeepSeek-V2 of 4.54 - 5.23 pads V to the qk head dim for flash attention; padded the same way;
+* `indexer`: DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer module scores the cached
+  keys and each query attends to its top-k only (`MlaFamily.indexer`, see `describe_indexer`); with a
+  `prev_topk_indices` parameter, layers of `config.indexer_types` "shared" reuse the previous layer's
+  top-k (`MlaFamily.shared_topk`).
+
+An indexer is served when its class's forward is DeepSeek-V3.2's: q = wq_b(q_resid), k = k_norm(wk(x)),
+the RoPE function it names on their first qk_rope_head_dim dims, the key through
+`cache.update_indexer`, scores sum_h w_h * relu(softmax_scale * q_h.k) with w = weights_proj(x) *
+n_heads**-0.5, masked by the attention mask, top-k: what `mla.lightning_indexer` computes. One that uses
+any other name (pooled keys, a query norm, shared KV, ...) is refused with those names.
 
 Each RoPE function is also run on a small random input: in fp32 to check it rotates the way its
 layout says, and in bf16 and fp16 to find where it rounds, i.e. which mla `rope_compute_dtype`
@@ -72,6 +82,20 @@ FEATURES = {  # feature -> (the name that marks it, every name its code uses)
     # DeepSeek-V2 of 4.54 - 5.x pads V to the qk head dim for flash-attention kernels itself
     "flash_value_padding": ("pad", {"pad", "F", "is_flash_attention_requested"}),
 }
+# What a DeepSeek Sparse Attention forward adds: the indexer call and the top-k folded into the mask
+# (`new_ones(...).scatter(-1, topk.long(), False)`, then `&` or `masked_fill(finfo(dtype).min)`);
+# "ValueError" is the shared layers' guard against a missing previous top-k.
+SPARSE_FORWARD_NAMES = frozenset({"indexer", "new_ones", "scatter", "long", "unsqueeze", "masked_fill", "finfo",
+                                  "min", "bool", "dtype"})
+SHARED_TOPK_PARAMETER = "prev_topk_indices"
+# Every name DeepSeek-V3.2's indexer forward uses (its projections, RoPE split, cache update, scoring,
+# mask, top-k), less the RoPE function, read separately.
+INDEXER_NAMES = frozenset({
+    "F", "bool", "cat", "dtype", "float", "head_dim", "index_topk", "indices", "int32", "k_norm", "layer_idx",
+    "masked_fill", "matmul", "min", "n_heads", "qk_rope_head_dim", "relu", "shape", "softmax_scale", "split",
+    "squeeze", "to", "topk", "torch", "transpose", "unsqueeze", "update_indexer", "view", "weight", "weights_proj",
+    "wk", "wq_b",
+})
 MLA_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 # The RMSNorm forward the ops reproduce (fp32 variance, weight * normed.to(input dtype)).
 RMS_NORM_NAMES = frozenset({"dtype", "to", "torch", "float32", "pow", "mean", "rsqrt", "variance_epsilon", "weight"})
@@ -86,7 +110,9 @@ class MlaFamily:
     RoPE function the forward calls: the mla `rope_compute_dtype` that reproduces its rounding bit for
     bit in bf16 and fp16 ("float32" | "activation"), None where neither does. `parameters`: the stock
     forward's parameter names after `self`, in order (positional calls are mapped onto them).
-    `refused`: why it cannot be patched (None when it can)."""
+    `indexer`: the sparse-attention indexer's RoPE function (the name in the modeling module; None:
+    dense attention). `shared_topk`: the forward takes `prev_topk_indices` and returns its top-k third
+    (GLM-5's cross-layer sharing). `refused`: why it cannot be patched (None when it can)."""
 
     attention: type
     model_type: str
@@ -98,7 +124,18 @@ class MlaFamily:
     query_position_scale: bool = False
     latent_stock_cache: bool = False
     flash_value_padding: bool = False
+    indexer: Optional[str] = None
+    shared_topk: bool = False
     refused: Optional[str] = None
+
+    @property
+    def sparse(self) -> bool:
+        """DeepSeek Sparse Attention: each query attends to the top-k keys its layer's indexer picks."""
+        return self.indexer is not None
+
+    def indexer_layout(self) -> Optional[str]:
+        """The rope layout of the indexer's RoPE function (None: dense attention)."""
+        return None if self.indexer is None else ROPE_FUNCTIONS[self.indexer]
 
     @property
     def name(self) -> str:
@@ -163,13 +200,19 @@ def describe(cls: type) -> MlaFamily:
     for feature, (_, used) in FEATURES.items():
         if features[feature]:
             known |= used
+    sparse = "indexer" in names
+    shared_topk = sparse and SHARED_TOPK_PARAMETER in parameters
+    if sparse:
+        known |= SPARSE_FORWARD_NAMES | ({"ValueError"} if shared_topk else set())
     unknown = sorted(names - known)
-    refused = None
-    if "indexer" in names:
-        refused = ("sparse attention: an indexer picks the top-k keys each query attends to, which the dense "
-                   "and absorbed MLA ops (attention over every cached token) do not compute")
-    elif unknown:
+    refused = indexer = None
+    if unknown:
         refused = f"its forward uses {', '.join(unknown)}, which the patch does not reproduce"
+    if sparse:
+        indexer, indexer_refusal = describe_indexer(cls)
+        reasons = [r for r in (refused, indexer_refusal) if r]
+        refused = f"sparse attention: {'; '.join(reasons)}" if reasons else None
+        indexer = None if refused else indexer  # (`sparse`: served through the indexer op)
     if features["config_rope_interleave"] and set(rope_functions) == {"apply_rotary_pos_emb",
                                                                        "apply_rotary_pos_emb_interleave"}:
         rope = "config"
@@ -181,14 +224,46 @@ def describe(cls: type) -> MlaFamily:
         rope, refused = "config", refused or f"its forward chooses between {rope_functions} by a rule the patch " \
                                              f"does not know"
     if refused is None:
-        refused = rope_function_refusal(sys.modules[module], rope_functions)
+        refused = rope_function_refusal(sys.modules[module], rope_functions + ([indexer] if indexer else []))
     rounding = () if refused else tuple((ROPE_FUNCTIONS[name], stock_rope_rounding(sys.modules[module], name))
                                         for name in rope_functions)
     return MlaFamily(attention=cls, model_type=model_type, rope=rope, parameters=parameters, rope_rounding=rounding,
                      lora_scales=features["lora_scales"], output_gate=features["output_gate"],
                      query_position_scale=features["query_position_scale"],
                      latent_stock_cache=features["latent_stock_cache"],
-                     flash_value_padding=features["flash_value_padding"], refused=refused)
+                     flash_value_padding=features["flash_value_padding"], indexer=indexer, shared_topk=shared_topk,
+                     refused=refused)
+
+
+def indexer_classes(cls: type) -> list:
+    """The sparse-attention indexer classes an attention class builds: the module classes its `__init__`
+    names whose forward writes an indexer-key cache (`update_indexer`)."""
+    modeling = sys.modules[cls.__module__]
+    init = inspect.unwrap(cls.__init__)
+    found = [getattr(modeling, name, None) for name in init.__code__.co_names]
+    return [c for c in found if isinstance(c, type) and issubclass(c, torch.nn.Module) and "forward" in vars(c)
+            and "update_indexer" in _forward_names(c)]
+
+
+def describe_indexer(cls: type) -> tuple[Optional[str], Optional[str]]:
+    """(the indexer's RoPE function name, None) for a DeepSeek-V3.2 indexer the patch reproduces, else
+    (None, why not): read off the indexer class's forward, as the attention's is."""
+    classes = indexer_classes(cls)
+    if len(classes) != 1:
+        return None, (f"its indexer is not one module class writing cache.update_indexer "
+                      f"(found {[c.__name__ for c in classes]})")
+    indexer_cls = classes[0]
+    names = _forward_names(indexer_cls)
+    rope = sorted(names & ROPE_FUNCTIONS.keys())
+    unknown = sorted(names - INDEXER_NAMES - set(rope))
+    if unknown:
+        return None, (f"its indexer ({indexer_cls.__name__}) uses {', '.join(unknown)}, beyond "
+                      f"DeepSeek-V3.2's score sum_h w_h * relu(scale * q_h.k) over every cached key that "
+                      f"mla.lightning_indexer computes")
+    if len(rope) != 1 or ROPE_FUNCTIONS[rope[0]] == "interleaved":
+        return None, (f"its indexer ({indexer_cls.__name__}) rotates with {rope or 'no RoPE'}, "
+                      f"not one (cos, sin) RoPE function")
+    return rope[0], None
 
 
 def _rope_probe(dtype: torch.dtype):

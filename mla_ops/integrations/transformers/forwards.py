@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import paged_attention
+from . import indexer, paged_attention
 from .attention_parts import (
     attend,
     dense_key,
@@ -21,6 +21,8 @@ from .attention_parts import (
     rotary,
     scale_query,
     sort_arguments,
+    sparse_query_residual,
+    sparse_result,
 )
 
 
@@ -33,7 +35,8 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
         return paged_attention.paged_attention_forward(self, patch, hidden_states, inputs)
     opts = patch.options
     rot = rotary(self, patch, inputs.position_embeddings, hidden_states)
-    q_nope, q_pe = query(self, patch, hidden_states, rot)
+    q_resid = sparse_query_residual(self, patch, hidden_states)
+    q_nope, q_pe = query(self, patch, hidden_states, rot, q_resid=q_resid)
     cache, release = inputs.cache, patch.release
     if opts.kv_prolog and not patch.family.lora_scales:
         k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, rot)
@@ -49,9 +52,12 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
         key_states, value_states = release.update_cache(cache, key_states, value_states, self.layer_idx,
                                                         inputs.cache_position, inputs.extra)
     query_states = scale_query(self, patch, torch.cat((q_nope, q_pe), dim=-1), inputs.position_ids)
-    attn_output, attn_weights = attend(self, patch, query_states, key_states, value_states, inputs.attention_mask,
-                                       inputs.extra)
-    return project_output(self, patch, attn_output, hidden_states), attn_weights
+    attention_mask, extra, topk = inputs.attention_mask, inputs.extra, None
+    if patch.family.sparse:  # the indexer's top-k, through mla.lightning_indexer, folded into the mask
+        attention_mask, indices, topk = indexer.dense_selection(self, patch, hidden_states, q_resid, inputs)
+        extra = {**extra, **indices}
+    attn_output, attn_weights = attend(self, patch, query_states, key_states, value_states, attention_mask, extra)
+    return sparse_result(patch, project_output(self, patch, attn_output, hidden_states), attn_weights, topk)
 
 
 def _stock_kv_with_mla_rope(attn, patch, hidden_states, rot, inputs):

@@ -7,6 +7,10 @@
 * decode (one token per row): the absorbed path of vLLM / FlashMLA — q_nope @ W_UK ->
   `mla.mla_decode_attention` over the paged latent cache -> @ W_UV -> o_proj. W_UK / W_UV are
   prepared once per layer from kv_b_proj.weight (contiguous copies); kv_b never runs over the cache.
+* sparse attention (DeepSeek-V3.2, GLM-5): the indexer keys go into the layer's paged indexer pool
+  (`mla.scatter_pa_cache`) and `mla.lightning_indexer` picks each query's top-k over it (`indexer`);
+  a prefill folds them into its mask (stock's arithmetic again), a decode step attends to them alone
+  with `mla.sparse_mla_attention` over the paged latent cache (absorbed, as above).
 """
 from __future__ import annotations
 
@@ -16,7 +20,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .attention_parts import attend, dense_key, expand_latent, latent_prolog, project_output, query, rotary, scale_query
+from . import indexer
+from .attention_parts import (
+    attend,
+    dense_key,
+    expand_latent,
+    latent_prolog,
+    project_output,
+    query,
+    rotary,
+    scale_query,
+    sparse_query_residual,
+    sparse_result,
+)
 
 if TYPE_CHECKING:  # (the paged cache module needs transformers' Cache API: not imported here)
     from .paged_cache import ForwardPlan, MLAPagedLayer
@@ -67,13 +83,21 @@ def _absorbed_weights(attn):
     return cached[2], cached[3]
 
 
-def absorbed_decode_step(attn, layer: "MLAPagedLayer", plan: "ForwardPlan", q_nope, q_pe):
-    """One token per row: o = ((softmax(q_lat·latent + q_pe·k_pe) · latent) @ W_UV) -> [B, 1, N*V]."""
+def absorbed_decode_step(attn, layer: "MLAPagedLayer", plan: "ForwardPlan", q_nope, q_pe, topk=None):
+    """One token per row: o = ((softmax(q_lat·latent + q_pe·k_pe) · latent) @ W_UV) -> [B, 1, N*V], over
+    every cached token (mla.mla_decode_attention) or, sparse attention, over the row-local positions
+    `topk` [B, 1, K] (mla.sparse_mla_attention; -1 = none)."""
     w_uk, w_uv_t = _absorbed_weights(attn)
     batch = q_nope.shape[0]
     q_latent = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_uk).transpose(0, 1)  # [B, N, L]
-    o_latent = torch.ops.mla.mla_decode_attention(q_latent, q_pe[:, :, 0], layer.latent_pool, layer.k_pe_pool,
-                                                  plan.block_tables, plan.seq_lens, attn.scaling)
+    if topk is None:
+        o_latent = torch.ops.mla.mla_decode_attention(q_latent, q_pe[:, :, 0], layer.latent_pool, layer.k_pe_pool,
+                                                      plan.block_tables, plan.seq_lens, attn.scaling)
+    else:  # one query token per request
+        starts = torch.arange(batch + 1, dtype=plan.seq_lens.dtype, device=q_latent.device)
+        o_latent = torch.ops.mla.sparse_mla_attention(q_latent, q_pe[:, :, 0], layer.latent_pool, layer.k_pe_pool,
+                                                      plan.block_tables, plan.seq_lens, starts, topk[:, 0],
+                                                      attn.scaling)
     out = torch.bmm(o_latent.transpose(0, 1), w_uv_t)  # [N, B, V]
     return out.transpose(0, 1).reshape(batch, 1, -1)
 
@@ -97,8 +121,9 @@ def _gather_prefix(layer: "MLAPagedLayer", plan: "ForwardPlan"):
     return pad(packed_latent), pad(packed_k_pe), valid
 
 
-def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe):
-    """New tokens attend to (gathered prefix + new tokens): materialised K/V via kv_b, own mask."""
+def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk=None):
+    """New tokens attend to (gathered prefix + new tokens): materialised K/V via kv_b, own mask (narrowed
+    to each real query's `topk` [B, S, K] row-local positions, sparse attention)."""
     prefix_latent, prefix_k_pe, prefix_valid = _gather_prefix(layer, plan)
     keys_latent = torch.cat((prefix_latent, latent), dim=1)  # [B, P+S, L]
     k_nope, value_states = expand_latent(attn, keys_latent)
@@ -111,6 +136,9 @@ def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe):
     new_part |= torch.eye(seq, dtype=torch.bool, device=real.device)[None]  # padding queries see themselves
     prefix_part = prefix_valid[:, None, :] & real[:, :, None]
     mask = torch.cat((prefix_part, new_part), dim=-1)[:, None]  # [B, 1, S, P+S]
+    if topk is not None:
+        columns = indexer.paged_columns(topk, plan, prefix_latent.shape[1])
+        mask = indexer.restrict_mask(mask, columns, real, query_states.dtype)
     out = F.scaled_dot_product_attention(query_states, key_states, value_states.contiguous(), attn_mask=mask,
                                          scale=attn.scaling)
     return out.transpose(1, 2).reshape(latent.shape[0], seq, -1)
@@ -129,17 +157,21 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
     layer = cache.layers[attn.layer_idx]
     torch.ops.mla.scatter_pa_kv_cache(latent.reshape(batch * seq, 1, -1), k_pe.reshape(batch * seq, 1, -1),
                                       layer.latent_pool, layer.k_pe_pool, plan.slot_mapping)
-    q_nope, q_pe = query(attn, patch, hidden_states, rot, rope_op=True)  # the paged path runs on the ops
+    q_resid = sparse_query_residual(attn, patch, hidden_states)
+    # the paged path runs on the ops
+    q_nope, q_pe = query(attn, patch, hidden_states, rot, rope_op=True, q_resid=q_resid)
     if patch.family.query_position_scale:
         q_nope = scale_query(attn, patch, q_nope, inputs.position_ids)
         q_pe = scale_query(attn, patch, q_pe, inputs.position_ids)
+    topk = indexer.paged_selection(attn, patch, hidden_states, q_resid, inputs, layer, plan) \
+        if patch.family.sparse else None
     if seq == 1:
-        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe)
-        return project_output(attn, patch, attn_output, hidden_states), None
+        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe, topk)
+        return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states), None, topk)
     query_states = torch.cat((q_nope, q_pe), dim=-1)
     if plan.has_prefix:
-        attn_output = _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe)
-        return project_output(attn, patch, attn_output, hidden_states), None
+        attn_output = _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk)
+        return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states), None, topk)
     # Fresh prefill: the new tokens are all there is (padding included, masked by transformers' own mask),
     # so this is stock's arithmetic and gives stock's logits.
     k_nope, value_states = expand_latent(attn, latent)
@@ -150,6 +182,9 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
         # padding: seen + S); the keys here are the new tokens, which are its last S (dynamic) or
         # first S (static, nothing seen yet) columns.
         attention_mask = attention_mask[..., :seq] if cache.static else attention_mask[..., -seq:]
+    if topk is not None:  # as the stock forward folds its top-k (the new tokens are all the keys)
+        attention_mask = indexer.restrict_mask(attention_mask, indexer.paged_columns(topk, plan, 0), plan.real,
+                                               hidden_states.dtype)
     attn_output, attn_weights = attend(attn, patch, query_states, key_states, value_states, attention_mask,
                                        inputs.extra)
-    return project_output(attn, patch, attn_output, hidden_states), attn_weights
+    return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states), attn_weights, topk)

@@ -13,6 +13,9 @@ real tokens.
 * decode (one token per row): the absorbed path of vLLM / FlashMLA — q_nope @ W_UK ->
   `mla.mla_decode_attention` over the paged latent cache -> @ W_UV -> o_proj. W_UK / W_UV are
   prepared once per layer from kv_b_proj.weight (contiguous copies); kv_b never runs over the cache.
+* sparse attention (a config with `index_topk`): every layer with its own indexer also keeps the
+  indexer keys `[num_blocks, block_size, 1, index_head_dim]` (written with `mla.scatter_pa_cache`,
+  same block tables); the decode attends to the indexer's top-k with `mla.sparse_mla_attention`.
 
 `MLAPagedCache(static=False)` grows block by block from a free list as tokens arrive (host
 bookkeeping, pools double when full; it refuses to be traced by torch.compile). Its first
@@ -51,10 +54,12 @@ class MLAPagedLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, cache: "MLAPagedCache"):
+    def __init__(self, cache: "MLAPagedCache", indexed: bool = False):
         super().__init__()
         self._cache = cache
         self.is_compileable = cache.static
+        self.indexed = indexed  # holds a sparse-attention indexer's keys (a layer with its own indexer)
+        self.indexer_keys: Optional[torch.Tensor] = None
 
     @property
     def latent_pool(self) -> torch.Tensor:  # [num_blocks, block_size, 1, L]
@@ -64,20 +69,34 @@ class MLAPagedLayer(CacheLayerMixin):
     def k_pe_pool(self) -> torch.Tensor:  # [num_blocks, block_size, 1, R]
         return self.values
 
+    @property
+    def indexer_pool(self) -> torch.Tensor:  # [num_blocks, block_size, 1, index_head_dim]
+        if self.indexer_keys is None:
+            raise RuntimeError("this MLAPagedCache layer holds no indexer keys (its model has no sparse-attention "
+                               "indexer in this layer)")
+        return self.indexer_keys
+
+    def pools(self) -> list:
+        """Every pool of the layer (latent, k_pe, and the indexer keys where it has them)."""
+        return [p for p in (self.keys, self.values, self.indexer_keys) if p is not None]
+
     def allocate(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         c = self._cache
         self.keys = torch.zeros(num_blocks, c.block_size, 1, c.kv_lora_rank, dtype=dtype, device=device)
         self.values = torch.zeros(num_blocks, c.block_size, 1, c.rope_dim, dtype=dtype, device=device)
+        if self.indexed:
+            self.indexer_keys = torch.zeros(num_blocks, c.block_size, 1, c.index_head_dim, dtype=dtype, device=device)
         self.device = device
         self.is_initialized = True
         if c.static and not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(self.keys)
-            torch._dynamo.mark_static_address(self.values)
+            for pool in self.pools():
+                torch._dynamo.mark_static_address(pool)
 
     def grow(self, num_blocks: int) -> None:
-        extra = num_blocks - self.keys.shape[0]
-        self.keys = torch.cat((self.keys, self.keys.new_zeros(extra, *self.keys.shape[1:])))
-        self.values = torch.cat((self.values, self.values.new_zeros(extra, *self.values.shape[1:])))
+        grown = lambda pool: torch.cat((pool, pool.new_zeros(num_blocks - pool.shape[0], *pool.shape[1:])))  # noqa: E731
+        self.keys, self.values = grown(self.keys), grown(self.values)
+        if self.indexer_keys is not None:
+            self.indexer_keys = grown(self.indexer_keys)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         raise NotImplementedError("MLAPagedLayer is filled by the paged attention forward, not by update()")
@@ -174,7 +193,13 @@ class MLAPagedCache(Cache):
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self.max_cache_len = max_cache_len
         self._batch_size = batch_size
-        super().__init__(layers=[MLAPagedLayer(self) for _ in range(self.num_layers)])
+        # DeepSeek Sparse Attention: an indexer-key pool in every layer that runs its own indexer (the
+        # "shared" layers of config.indexer_types reuse the previous layer's top-k and keep none)
+        self.index_head_dim = getattr(config, "index_head_dim", None) if getattr(config, "index_topk", None) else None
+        indexer_types = getattr(config, "indexer_types", None) or ()
+        indexed = [self.index_head_dim is not None and (i >= len(indexer_types) or indexer_types[i] != "shared")
+                   for i in range(self.num_layers)]
+        super().__init__(layers=[MLAPagedLayer(self, indexed[i]) for i in range(self.num_layers)])
         self.plan: Optional[ForwardPlan] = None
         self._seen = 0  # positions seen per row, padding included (what transformers calls seq length)
         self._seen_tensor: Optional[torch.Tensor] = None  # the same, as a tensor, in static mode
@@ -263,6 +288,8 @@ class MLAPagedCache(Cache):
 
     def _real_token_flags(self, attention_mask, batch_size, new_tokens, device) -> torch.Tensor:
         """[B, S] bool: which new tokens are real (not padding), from a 2-D or 4-D attention mask."""
+        if isinstance(attention_mask, dict):  # one mask per layer type (generate prepares them): any shows padding
+            attention_mask = next(iter(attention_mask.values()), None)
         if attention_mask is None:
             return torch.ones(batch_size, new_tokens, dtype=torch.bool, device=device)
         if attention_mask.dim() == 2:
@@ -382,13 +409,15 @@ class MLAPagedCache(Cache):
         one partly filled block per row); `pool_bytes` is everything allocated, free blocks included."""
         if self.layers[0].keys is None:
             return {"tokens": 0, "pool_bytes": 0, "assigned_bytes": 0, "bytes_per_token_per_layer": 0.0}
-        per_slot = sum(t[0, 0].numel() * t.element_size() for t in (self.layers[0].keys, self.layers[0].values))
+        # payload per token, averaged over the layers (only those with an indexer hold its keys)
+        per_slot = sum(t[0, 0].numel() * t.element_size() for layer in self.layers for t in layer.pools())
+        per_slot /= self.num_layers
         lens = self.seq_lens.tolist()
         if self.static:
             assigned_blocks = len(lens) * self.blocks_per_row
         else:
             assigned_blocks = sum(len(b) for b in self._blocks_host)
-        pool = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        pool = sum(t.nbytes for layer in self.layers for t in layer.pools())
         assigned = assigned_blocks * self.block_size * per_slot * self.num_layers
         tokens = sum(lens)
         return {

@@ -10,9 +10,12 @@
 
 Targets:
 * transformers' own MLA attention classes (DeepSeek-V2, DeepSeek-V3 and the families built on its
-  forward), recognised by structure (`families`) on transformers `SUPPORTED_TRANSFORMERS`; sparse
-  attention (an indexer) and forwards doing something the patch does not reproduce are refused
-  with the reason;
+  forward), recognised by structure (`families`) on transformers `SUPPORTED_TRANSFORMERS`; DeepSeek
+  Sparse Attention with DeepSeek-V3.2's indexer (DeepSeek-V3.2, GLM-5 and its "shared" indexer
+  layers: the top-k through `mla.lightning_indexer`, the paged decode through
+  `mla.sparse_mla_attention`, see `indexer`); other indexers and forwards doing something the
+  patch does not reproduce are refused with the reason (an indexer is also run once on a random
+  input at apply time, to check it picks what DeepSeek-V3.2's does);
 * the hub remote code's `DeepseekV2Attention` of `modeling_deepseek.py` (trust_remote_code), found on
   the model instance, on whatever transformers runs it (`remote_code`).
 
@@ -46,6 +49,7 @@ from ..._checks import ROPE_COMPUTE_DTYPES
 from .attention_parts import PATCH_ATTRIBUTE, LayerPatch
 from .families import MlaFamily, describe, families_of, is_mla_attention, is_rms_norm_class, norm_refusal
 from .forwards import mla_attention_forward, rms_norm_forward
+from .indexer import indexer_refusal
 from .paged_attention import ABSORBED_ATTRIBUTE
 from .patching import PatchHandle, open_handle
 from .releases import check_paged_supported, check_transformers_version, current_release
@@ -179,7 +183,7 @@ def _decoders(model: torch.nn.Module) -> list:
 def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets:
     """What to patch in `model`; raises, touching nothing, if it cannot be patched."""
     patch_attention = options.kv_prolog or options.rope or options.q_prolog
-    attention, found_attention, native, release = [], False, False, None
+    attention, found_attention, native, release, probed = [], False, False, None, set()
     for module in model.modules():
         if is_remote_attention(module):
             if options.cache == "paged":
@@ -208,6 +212,11 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
                 refusal = norm_refusal(module.kv_a_layernorm)
                 if refusal and options.kv_prolog:
                     raise NotImplementedError(f"{family.name} cannot be patched: {refusal}")
+                if family.sparse and type(module) not in probed and getattr(module, "indexer", None) is not None:
+                    probed.add(type(module))  # (one layer per class: the indexer code is the class's)
+                    refusal = indexer_refusal(module, family)
+                    if refusal:
+                        raise NotImplementedError(f"{family.name} cannot be patched: {refusal}")
                 attention.append((module, layer))
     if not found_attention:
         raise ValueError(f"no multi-head latent attention found in {type(model).__name__}: expected a transformers "

@@ -1,0 +1,227 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each query's top-k keys through `mla.lightning_indexer`,
+for the dense and the paged mode.
+
+The indexer's own projections (wq_b, wk, k_norm, weights_proj) and its RoPE run as the stock indexer
+computes them, with its modules and the RoPE function its forward names (DeepSeek-V3.2: NeoX
+half-split, GLM-5: interleaved pairs). Scoring and selection, sum_h w_h * relu(scale * q_h.k) over the
+keys a query may see and the best `index_topk` of them, are one `mla.lightning_indexer` call, and the
+chosen keys are folded into the attention mask exactly as the stock forward folds its top-k
+(`restrict_mask`); the paged decode hands them to `mla.sparse_mla_attention` instead.
+
+Requests. The op reads a request's keys through a block table and lets query i of a request with
+q_len queries and seq_len keys see positions 0..seq_len-q_len+i (right-down causal), so each batch
+row becomes two requests (`select_topk`): its padding queries, scored against anything and then
+dropped (the stock mask hides every key from them, so their top-k changes nothing), and its real
+queries, which see the row's real keys in order. The dense cache keeps padding keys in place: a
+block size of 1 over the row's indexer keys lists only the keys the mask shows (`dense_selection`),
+which also skips the unfilled tail of a static cache. The paged cache stores real tokens only.
+
+Which top-k is picked where scores tie exactly differs (the op: the lower position; torch.topk:
+unspecified); a tie at the k-th place is the one case where the two could fold different keys.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# The attention implementations the stock forward folds the top-k into the mask for; any other gets it
+# as `indices=` (a sparse kernel such as flash-mla), as stock hands it.
+MASKED_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def indexer_query_key(indexer, family, hidden_states, q_resid, position_embeddings):
+    """The stock indexer's inputs to its scores: (q [B, S, H, D] and k [B, S, D], both rotated, in the
+    model's dtype; weights [B, S, H] fp32 with n_heads**-0.5 folded in). `indexer`: the layer's indexer
+    module; `q_resid` [B, S, q_lora_rank]: q_a_layernorm(q_a_proj(x)), as the attention computed it."""
+    batch, seq = hidden_states.shape[:-1]
+    cos, sin = position_embeddings
+    rotate = getattr(family.modeling, family.indexer)
+    split = [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim]
+    q = indexer.wq_b(q_resid).view(batch, seq, indexer.n_heads, indexer.head_dim)
+    q_rot, q_pass = torch.split(q, split, dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)  # [B, S, 1, D]
+    k_rot, k_pass = torch.split(k, split, dim=-1)
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    weights_proj = indexer.weights_proj
+    weights = weights_proj(hidden_states.to(weights_proj.weight.dtype)).float() * (indexer.n_heads ** -0.5)
+    return q, k, weights
+
+
+def select_topk(indexer, q, weights, k_cache, block_tables, seq_lens, real):
+    """The `indexer` module's top-k of every real query of B rows -> int32 [B, S, index_topk]: row-local
+    key positions, best first, -1 past what a query can see and everywhere for a padding query.
+
+    q [B, S, H, D], weights [B, S, H] (`indexer_query_key`); k_cache [NB, bs, 1, D]; block_tables
+    [B, W] and seq_lens [B]: row b's real keys, positions 0..seq_lens[b]-1, the last of them its real
+    queries in order; real [B, S] bool: which queries are real."""
+    batch, seq = real.shape
+    n_real = real.sum(1)
+    n_pad = seq - n_real
+    rows = torch.arange(batch, device=real.device)[:, None]
+    # each row's padding queries first, then its real ones in order (a stable sort of the flags)
+    order = torch.argsort(real.to(torch.int8), dim=1, stable=True)
+    flat = lambda x: x[rows, order].reshape(batch * seq, *x.shape[2:])  # noqa: E731
+    block_size = k_cache.shape[1]
+    width = max(block_tables.shape[1], -(-seq // block_size))
+    # the padding request of a row: n_pad positions of block 0 repeated (any key: its result is dropped)
+    tables = torch.stack((torch.zeros_like(block_tables[:, :1]).expand(-1, width),
+                          F.pad(block_tables, (0, width - block_tables.shape[1]))), dim=1).reshape(2 * batch, width)
+    lens = torch.stack((n_pad, seq_lens.to(n_pad.dtype)), dim=1).reshape(-1)
+    starts = F.pad(torch.cumsum(torch.stack((n_pad, n_real), dim=1).reshape(-1), 0), (1, 0))
+    local = torch.ops.mla.lightning_indexer(flat(q), flat(weights), k_cache, tables, lens, starts, indexer.index_topk,
+                                            indexer.softmax_scale).view(batch, seq, -1)
+    local = local[rows, torch.argsort(order, dim=1)]  # back to the tokens' order
+    return torch.where(real[..., None], local, -1)
+
+
+def restrict_mask(attention_mask, columns, real, dtype):
+    """The stock fold of a top-k into the attention mask: a real query's keys outside its top-k
+    `columns` [B, S, K] (key columns, -1: none) are masked (`& ~` a bool mask, `finfo(dtype).min` in
+    an additive one); a padding query's row is left as it is (the mask already hides every key there)."""
+    batch, seq = columns.shape[:2]
+    keys = attention_mask.shape[-1]
+    index = torch.where(columns < 0, keys, columns).long()  # -1 -> a spare column, cut off below
+    dropped = columns.new_ones((batch, seq, keys + 1), dtype=torch.bool).scatter(-1, index, False)[..., :keys]
+    dropped = (dropped & real[..., None]).unsqueeze(1)  # [B, 1, S, T]; True = masked
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~dropped
+    return attention_mask.masked_fill(dropped, torch.finfo(dtype).min)
+
+
+def previous_topk(inputs):
+    """A "shared" layer's top-k: the previous layer's, as the stock forward reuses it."""
+    if inputs.prev_topk_indices is None:
+        raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+    return inputs.prev_topk_indices
+
+
+def dense_selection(attn, patch, hidden_states, q_resid, inputs):
+    """The dense mode's top-k: (the attention mask with it folded in as stock folds it, or the mask
+    unchanged and the top-k passed as `indices=` to other implementations; extra kwargs for the
+    attention function; the top-k key columns int32 [B, S, K] a "shared" next layer reuses).
+
+    The indexer key goes through the stock cache's `update_indexer` (as stock writes it); the op reads
+    the whole row back [B, T, D] as one block per key. Raises NotImplementedError on a mask the op's
+    requests cannot express (not causal over each row's keys: packed sequences, a custom mask), checked
+    outside a compiled graph."""
+    mask = inputs.attention_mask
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise ValueError("sparse attention needs the model's 4-D attention mask (the indexer scores against it)")
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [B, S, T]
+    real = allowed.any(-1)  # a padding query sees no key
+    if attn.indexer is None:
+        columns = previous_topk(inputs)
+    else:
+        with torch.no_grad():  # (the stock indexer is no_grad too)
+            q, k, weights = indexer_query_key(attn.indexer, patch.family, hidden_states, q_resid,
+                                              inputs.position_embeddings)
+            if inputs.cache is not None:
+                k = inputs.cache.update_indexer(k, attn.layer_idx)
+            batch, keys = k.shape[:2]
+            visible = allowed.any(1)  # [B, T]: the row's keys (padding and a static cache's tail hidden)
+            # block size 1: row b's request-local position j is its j-th visible key
+            positions = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
+            if not torch.compiler.is_compiling():
+                _check_causal_over_keys(allowed, visible, real)
+            tables = positions + keys * torch.arange(batch, device=k.device)[:, None]
+            local = select_topk(attn.indexer, q, weights, k.reshape(batch * keys, 1, 1, -1), tables, visible.sum(1),
+                                real)
+            columns = torch.gather(positions, 1, local.clamp(min=0).view(batch, -1).long()).view(local.shape)
+            columns = torch.where(local < 0, -1, columns).to(torch.int32)
+    if attn.config._attn_implementation in MASKED_IMPLEMENTATIONS:
+        return restrict_mask(mask, columns, real, hidden_states.dtype), {}, columns
+    return mask, {"indices": columns}, columns
+
+
+def _check_causal_over_keys(allowed, visible, real) -> None:
+    """The mask must be what the op's requests mean: each real query sees the row's visible keys up to
+    its own (the real queries being the row's last keys), a padding query none."""
+    rank = torch.cumsum(visible.long(), 1) - 1  # [B, T]: order among the row's keys
+    n_vis, n_real = visible.sum(1, keepdim=True), real.sum(1, keepdim=True)
+    position = n_vis - n_real + torch.cumsum(real.long(), 1) - 1  # [B, S]: each real query's own key
+    implied = real[:, :, None] & visible[:, None, :] & (rank[:, None, :] <= position[:, :, None])
+    if not torch.equal(implied, allowed):
+        raise NotImplementedError(
+            "sparse attention: the attention mask is not causal over each row's keys (left padding and a cache "
+            "are; packed sequences or a custom mask are not), which mla.lightning_indexer's requests cannot express")
+
+
+def paged_selection(attn, patch, hidden_states, q_resid, inputs, layer, plan):
+    """The paged mode's top-k: int32 [B, S, K] row-local positions of the paged cache (-1: none).
+    The new tokens' indexer keys go into the layer's paged indexer pool (`mla.scatter_pa_cache`, the
+    plan's slots: padding is never stored) and the op reads the pool through the row block tables."""
+    if attn.indexer is None:
+        return previous_topk(inputs)
+    with torch.no_grad():
+        q, k, weights = indexer_query_key(attn.indexer, patch.family, hidden_states, q_resid,
+                                          inputs.position_embeddings)
+        pool = layer.indexer_pool
+        torch.ops.mla.scatter_pa_cache(k.reshape(-1, 1, k.shape[-1]), pool, plan.slot_mapping)
+        return select_topk(attn.indexer, q, weights, pool, plan.block_tables, plan.seq_lens, plan.real)
+
+
+def paged_columns(local, plan, prefix_width: int):
+    """Row-local positions [B, S, K] of the paged cache -> key columns of a prefill's
+    [prefix padded to prefix_width | new tokens] (-1 kept): position j < prefix_lens[b] is the
+    prefix's column j, a later one the column of the (j - prefix_lens[b])-th real new token."""
+    batch, seq = plan.real.shape
+    prefix = plan.prefix_lens.view(batch, 1, 1)
+    new_columns = torch.argsort((~plan.real).to(torch.int8), dim=1, stable=True)  # real new tokens first
+    new = (local.long() - prefix).clamp(0, seq - 1).view(batch, -1)
+    later = prefix_width + torch.gather(new_columns, 1, new).view(local.shape)
+    columns = torch.where(local < prefix, local.long(), later)
+    return torch.where(local < 0, -1, columns)
+
+
+# The probe of `indexer_refusal`: tokens of one random row, the top-k it keeps (fewer than the tokens,
+# so the choice shows).
+PROBE_TOKENS, PROBE_TOPK = 24, 6
+
+
+def indexer_refusal(attn, family) -> Optional[str]:
+    """Run the layer's stock indexer and the patch's selection (`indexer_query_key` + the op) on one
+    small random row, causal, and compare what they pick; None when they pick the same keys.
+
+    Its forward's names cannot tell every variant apart (HY-V4's indexer rotates the last
+    qk_rope_head_dim dims, not the first, with DeepSeek-V3.2's very names). The picks are compared by
+    their scores under the patch's own q and k, so keys tied on score may differ; another rotation,
+    split or scale picks keys of other scores. No-op without an indexer or on the meta device."""
+    indexer = getattr(attn, "indexer", None)
+    if indexer is None or indexer.wk.weight.is_meta:
+        return None
+    weight = indexer.wk.weight
+    generator = torch.Generator().manual_seed(0)
+    new = lambda *shape: torch.randn(*shape, generator=generator).to(weight)  # noqa: E731
+    hidden, q_resid = new(1, PROBE_TOKENS, indexer.hidden_size), new(1, PROBE_TOKENS, indexer.q_lora_rank)
+    angles = torch.randn(1, PROBE_TOKENS, indexer.qk_rope_head_dim // 2, generator=generator)
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(weight) for f in (torch.cos, torch.sin))
+    causal = torch.ones(PROBE_TOKENS, PROBE_TOKENS, dtype=torch.bool, device=weight.device).tril()[None]
+    probe = copy.copy(indexer)  # the same modules, a smaller top-k
+    probe.index_topk = PROBE_TOPK
+    with torch.no_grad():
+        try:
+            stock = probe(hidden, q_resid, (cos, sin), causal, None, cache=None).long()  # [1, S, k]
+        except Exception as exc:  # another signature: not DeepSeek-V3.2's indexer
+            return f"sparse attention: its indexer ({type(indexer).__name__}) does not run as DeepSeek-V3.2's " \
+                   f"({type(exc).__name__}: {exc})"
+        q, k, weights = indexer_query_key(probe, family, hidden, q_resid, (cos, sin))
+        rows = torch.arange(PROBE_TOKENS, device=weight.device)
+        ours = select_topk(probe, q, weights, k.reshape(PROBE_TOKENS, 1, 1, -1), rows[None], rows[-1:] + 1,
+                           torch.ones(1, PROBE_TOKENS, dtype=torch.bool, device=weight.device)).long()
+        dots = torch.einsum("bshd,btd->bsht", q.float(), k.float())
+        scores = (weights[..., None] * torch.relu(dots * indexer.softmax_scale)).sum(2)  # [1, S, T]
+
+        def picked(indices):  # the scores of the picks a query can see, best first
+            seen = (indices >= 0) & (indices <= rows[None, :, None])
+            values = torch.gather(scores, 2, indices.clamp(min=0))
+            return torch.sort(torch.where(seen, values, float("-inf")), dim=-1, descending=True).values
+
+    if torch.allclose(picked(stock), picked(ours), rtol=1e-4, atol=1e-6):
+        return None
+    return (f"sparse attention: on a random input its indexer ({type(indexer).__name__}) picks other keys than "
+            f"DeepSeek-V3.2's indexer, which the patch reproduces (it rotates, splits or scales q / k otherwise)")
