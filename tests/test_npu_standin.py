@@ -278,3 +278,150 @@ def test_ascend_adapter_routes_when_asked_or_once_an_npu_kernel_serves_the_decod
         assert state.startswith("registered: ASCEND_MLA decode -> torch.ops.mla"), state
         assert NPUPlatform.get_attn_backend_cls(None, mla) == ascend.ADAPTER_BACKEND
     """)
+
+
+# --- sparse attention: torch_npu's lightning indexer and sparse flash attention ---
+SPARSE_PRELUDE = """
+import torch, mla_ops, torch_npu, pytest
+torch.manual_seed(0)
+def requests(block_size=16, num_blocks=12, seq_lens=(40, 7, 33), q_lens=(3, 1, 33), width=4):
+    perm = torch.randperm(num_blocks)
+    tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        need = -(-n // block_size)
+        tables[b, :need] = perm[used:used + need].to(torch.int32); used += need
+    loc = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return tables, torch.tensor(seq_lens, dtype=torch.int32), loc
+def indexer_args(heads=8, dim=128, dtype=torch.bfloat16, block_size=16, topk=20, weights_dtype=torch.float32):
+    tables, lens, loc = requests(block_size=block_size, num_blocks=max(12, 192 // block_size),
+                                 width=max(4, 64 // block_size))
+    T = int(loc[-1])
+    q = torch.randn(T, heads, dim).to(dtype)
+    w = torch.randn(T, heads).to(weights_dtype)
+    k = torch.randn(tables.shape[1] * 3 * 64 // block_size, block_size, 1, dim).to(dtype)
+    return (q, w, k, tables, lens, loc, topk, dim ** -0.5)
+def sparse_args(heads=4, latent=512, rope=64, dtype=torch.bfloat16, block_size=16, topk=12):
+    tables, lens, loc = requests(block_size=block_size, num_blocks=max(12, 192 // block_size),
+                                 width=max(4, 64 // block_size))
+    T = int(loc[-1])
+    nb = tables.shape[1] * 3 * 64 // block_size
+    req = torch.repeat_interleave(torch.arange(3), loc[1:] - loc[:-1])
+    idx = torch.stack([torch.randint(0, int(lens[r]), (topk,)) for r in req.tolist()]).to(torch.int32)
+    if topk >= 3:
+        idx[::2, -3:] = -1      # -1s in the tail and in the middle: the kernel moves them last
+        idx[1, 0] = -1
+        idx[3] = -1             # a token with nothing listed: zeros
+    return (torch.randn(T, heads, latent).to(dtype), torch.randn(T, heads, rope).to(dtype),
+            torch.randn(nb, block_size, 1, latent).to(dtype), torch.randn(nb, block_size, 1, rope).to(dtype),
+            tables, lens, loc, idx, 0.07)
+def on_npu(args):
+    return tuple(a.to("npu") if isinstance(a, torch.Tensor) else a for a in args)
+"""
+
+
+def run_sparse(code: str) -> str:
+    return run(SPARSE_PRELUDE + textwrap.dedent(code))
+
+
+def test_sparse_ops_are_bound_to_torch_npus_fused_kernels():
+    run_sparse("""
+        from mla_ops.backends import candidates
+        for op in ("lightning_indexer", "sparse_mla_attention"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::" + op, "PrivateUse1"), op
+            assert [b.name for b in candidates(op, "npu")] == ["npu", "reference"], op
+    """)
+
+
+def test_lightning_indexer_reaches_torch_npu_with_the_documented_arguments():
+    """TND query, PA_BSND key, int32 cumulative query lengths (no leading 0) and per-request key
+    lengths, sparse_mode=3, the weights with softmax_scale folded in; the same positions as
+    the reference kernel (as sets: the fused kernel's tie order is not documented), -1 past p + 1."""
+    run_sparse("""
+        args = indexer_args()
+        text = mla_ops.explain("lightning_indexer", *on_npu(args))
+        assert text.startswith("mla.lightning_indexer: npu") and "torch_npu.npu_lightning_indexer" in text, text
+        got = torch.ops.mla.lightning_indexer(*on_npu(args)).cpu()
+        want = torch.ops.mla.lightning_indexer(*args)
+        name, call = torch_npu.SPARSE_CALLS[-1]
+        T, H, D = args[0].shape
+        assert name == "npu_lightning_indexer"
+        assert call["layout_query"] == "TND" and call["layout_key"] == "PA_BSND" and call["sparse_mode"] == 3
+        assert call["sparse_count"] == 20 and call["query"] == ((T, H, D), torch.bfloat16, True)
+        assert call["weights"] == ((T, H), torch.float32, True)  # fp32 kept, scale folded in
+        assert call["actual_seq_lengths_query"] == ((3,), torch.int32, True)
+        assert call["actual_seq_lengths_key"] == ((3,), torch.int32, True)
+        assert call["block_table"][1] == torch.int32
+        assert got.dtype == torch.int32 and got.shape == want.shape == (T, 20)
+        for t in range(T):
+            assert set(got[t].tolist()) == set(want[t].tolist()), (t, got[t], want[t])
+            n = int((want[t] >= 0).sum())
+            assert (got[t, n:] == -1).all() and (got[t, :n] >= 0).all(), (t, got[t])
+        # int64 request tensors: converted to int32 on the way
+        args64 = args[:3] + tuple(a.long() for a in args[3:6]) + args[6:]
+        got64 = torch.ops.mla.lightning_indexer(*on_npu(args64)).cpu()
+        assert torch.equal(got64, got)
+        assert torch_npu.SPARSE_CALLS[-1][1]["block_table"][1] == torch.int32
+    """)
+
+
+def test_sparse_mla_attention_reaches_torch_npu_with_the_documented_arguments():
+    """MLA-absorb: query = q_latent, query_rope = q_pe, key = value = the latent cache, key_rope =
+    the k_pe cache; sparse_indices [T, 1, K] int32 with the -1s moved last; the reference's result."""
+    run_sparse("""
+        args = sparse_args()
+        text = mla_ops.explain("sparse_mla_attention", *on_npu(args))
+        assert text.startswith("mla.sparse_mla_attention: npu") and "npu_sparse_flash_attention" in text, text
+        got = torch.ops.mla.sparse_mla_attention(*on_npu(args)).cpu()
+        want = torch.ops.mla.sparse_mla_attention(*args)
+        name, call = torch_npu.SPARSE_CALLS[-1]
+        T, N, L = args[0].shape
+        assert name == "npu_sparse_flash_attention" and call["value_is_key"]
+        assert call["layout_query"] == "TND" and call["layout_kv"] == "PA_BSND" and call["attention_mode"] == 2
+        assert call["sparse_mode"] == 0 and call["sparse_block_size"] == 1 and call["scale_value"] == 0.07
+        assert call["sparse_indices"] == ((T, 1, 12), torch.int32, True)
+        assert call["key"][0] == args[2].shape and call["key_rope"][0] == args[3].shape
+        assert call["query_rope"] == ((T, N, 64), torch.bfloat16, True)
+        assert call["actual_seq_lengths_query"][1:] == call["actual_seq_lengths_kv"][1:] == (torch.int32, True)
+        assert got.dtype == torch.bfloat16 and got.shape == (T, N, L)
+        assert torch.equal(got[3], torch.zeros(N, L, dtype=got.dtype))
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got.float() - want.float()).abs().max()
+        # the indexer's output feeds it directly
+        q, w, kc, tables, lens, loc = indexer_args()[:6]
+        idx = torch.ops.mla.lightning_indexer(*on_npu((q, w, kc, tables, lens, loc, 20, 128 ** -0.5)))
+        sargs = list(sparse_args()); sargs[7] = idx.cpu()
+        got = torch.ops.mla.sparse_mla_attention(*on_npu(sargs)).cpu()
+        want = torch.ops.mla.sparse_mla_attention(*sargs)
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    """)
+
+
+@pytest.mark.parametrize("op, change, reason", [
+    ("lightning_indexer", {"heads": 65}, "65 index heads"),
+    ("lightning_indexer", {"dim": 64}, "index_head_dim 64"),
+    ("lightning_indexer", {"dtype": "float32"}, "dtype torch.float32"),
+    ("lightning_indexer", {"block_size": 8}, "block_size 8"),
+    ("lightning_indexer", {"topk": 2049}, "topk 2049"),
+    ("sparse_mla_attention", {"latent": 256}, "kv_lora_rank 256"),
+    ("sparse_mla_attention", {"heads": 3}, "3 heads"),
+    ("sparse_mla_attention", {"dtype": "float32"}, "dtype torch.float32"),
+    ("sparse_mla_attention", {"block_size": 8}, "block_size 8"),
+    ("sparse_mla_attention", {"topk": 0}, "topk width 0"),
+])
+def test_sparse_ops_fall_back_with_the_reason_and_a_demand_is_refused(op, change, reason):
+    run_sparse(f"""
+        make = indexer_args if {op!r} == "lightning_indexer" else sparse_args
+        kwargs = {change!r}.copy()
+        if "dtype" in kwargs:
+            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+        args = make(**kwargs)
+        text = mla_ops.explain({op!r}, *on_npu(args))
+        assert text.startswith("mla.{op}: reference") and "not npu" in text and {reason!r} in text, text
+        calls = len(torch_npu.SPARSE_CALLS)
+        got = getattr(torch.ops.mla, {op!r})(*on_npu(args)).cpu()
+        assert len(torch_npu.SPARSE_CALLS) == calls  # torch_npu never called
+        assert torch.equal(got, getattr(torch.ops.mla, {op!r})(*args))
+        refused = pytest.raises(NotImplementedError, match="cannot serve this call.*" + {reason!r})
+        with mla_ops.use_backend("npu"), refused:
+            getattr(torch.ops.mla, {op!r})(*on_npu(args))
+    """)

@@ -13,6 +13,8 @@ Policy (plain functions, testable on any machine):
   Token counts and the reasons depend on shapes and dtypes only, so the choice needs no host
   synchronisation and is frozen into a captured aclgraph.
 * gather_pa_kv_cache: the PyPTO kernel, with the large-token tile when heads*dim > 4096.
+* lightning_indexer / sparse_mla_attention: torch_npu's fused `npu_lightning_indexer` and
+  `npu_sparse_flash_attention` (TND queries over PA_BSND caches), within their documented limits.
 
 Both ops fall back, never raise, when their PyPTO kernel cannot take a call (any pypto other than
 0.2.0, pypto missing, an unsupported dtype or shape): kv_prolog to this backend's own torch_npu
@@ -38,6 +40,7 @@ from ..kernels.pypto.kv_prolog_stage2 import kv_prolog_stage2
 from ..ops.gather_pa_kv_cache import functional_gather
 from ..ops.kv_prolog import expand_latent
 from ..ops.rope import rope_math
+from ..ops.sparse_attention import token_positions, token_requests
 from ..settings import settings
 from . import Backend
 from .staged_kv_prolog import stage2_not_supported_reasons, staged_kv_prolog
@@ -152,6 +155,153 @@ def gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, valu
 
 
 NPU.kernel("gather_pa_kv_cache_functional", reasons=_gather_reasons)(functional_gather(gather_pa_kv_cache))
+
+
+# ---------------------------------------------------------------------------------- sparse attention
+# The limits below are those of the op-plugin documentation (Ascend/op-plugin,
+# docs/zh/custom_APIs/torch_npu/torch_npu-npu_lightning_indexer.md and
+# torch_npu-npu_sparse_flash_attention.md at master 517f2e7d0f20, 2026-08-21; schemas in
+# op_plugin/config/op_plugin_functions.yaml, the same since the ops were added in 5c964309, 2025-11-21,
+# and on the 7.3.0 / 26.0.0 / 26.1.0 branches), for Atlas A2/A3 where the chips differ. The calling
+# convention is vllm-ascend's (vllm_ascend/device/device_op.py at 182b75ea84ff: TND query, PA_BSND
+# caches, actual_seq_lengths_query = cumulative query counts without the leading 0,
+# actual_seq_lengths_key/kv = per-request cached lengths).
+_NPU_FLOATS = (torch.float16, torch.bfloat16)
+_INDEXER_HEAD_DIM = 128
+_INDEXER_MAX_HEADS = 64          # A2/A3 ("N1 <= 64"; the Ascend 950 takes only 8/16/24/32/64)
+_SPARSE_COUNTS = "1..2048, 3072, 4096, 5120, 6144, 7168, 8192"
+_SFA_LATENT, _SFA_ROPE = 512, 64
+_SFA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # A2/A3
+_MAX_PA_BLOCK = 1024
+
+
+def _sparse_count_supported(count: int) -> bool:
+    return 1 <= count <= 2048 or count in (3072, 4096, 5120, 6144, 7168, 8192)
+
+
+def _paged_block_reasons(name: str, cache) -> list[str]:
+    """PA_BSND: block_size a multiple of 16, at most 1024; the cache contiguous (A2/A3 take no
+    strided key; a `.contiguous()` here would copy the whole cache every call)."""
+    reasons = []
+    block_size = cache.shape[1]
+    if block_size % 16 or block_size > _MAX_PA_BLOCK:
+        reasons.append(f"{name} block_size {block_size} (torch_npu's paged layout takes multiples of 16 up to "
+                       f"{_MAX_PA_BLOCK})")
+    if not cache.is_contiguous():
+        reasons.append(f"{name} is not contiguous (torch_npu on Atlas A2/A3 takes contiguous caches only)")
+    return reasons
+
+
+def lightning_indexer_reasons(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk,
+                              softmax_scale) -> list[str]:
+    """Why torch_npu.npu_lightning_indexer cannot serve this call (shapes and dtypes only)."""
+    reasons = []
+    if q.dtype not in _NPU_FLOATS:
+        reasons.append(f"dtype {q.dtype} (torch_npu's lightning indexer takes float16/bfloat16)")
+    if q.shape[2] != _INDEXER_HEAD_DIM:
+        reasons.append(f"index_head_dim {q.shape[2]} (torch_npu's lightning indexer takes {_INDEXER_HEAD_DIM})")
+    if q.shape[1] > _INDEXER_MAX_HEADS:
+        reasons.append(f"{q.shape[1]} index heads (torch_npu's lightning indexer takes at most "
+                       f"{_INDEXER_MAX_HEADS})")
+    if not _sparse_count_supported(topk):
+        reasons.append(f"topk {topk} (torch_npu's sparse_count takes {_SPARSE_COUNTS})")
+    return reasons + _paged_block_reasons("k_cache", k_cache)
+
+
+def _lightning_indexer_path(*args, **kwargs) -> str:
+    return ("torch_npu.npu_lightning_indexer (softmax_scale folded into the weights; order within the top-k "
+            "not guaranteed by its documentation: the same positions, ties possibly in another order)")
+
+
+@NPU.kernel("lightning_indexer", reasons=lightning_indexer_reasons, path=_lightning_indexer_path)
+def lightning_indexer(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale):
+    """torch_npu.npu_lightning_indexer: q [T, H<=64, 128] fp16/bf16, weights [T, H], k_cache
+    [NB, bs, 1, 128] -> int32 [T, topk] request-local positions, -1 past the p + 1 a token at position
+    p can see.
+
+    * Scale: torch_npu's indexer has no scale argument (score = sum_h w_h * relu(q_h . k)); the op's
+      softmax_scale s > 0 is folded into the weights, since relu(s * x) = s * relu(x). The weights are
+      scaled in fp32 and handed over in their own dtype (fp32 or q's): rounding fp32 weights to bf16
+      would change which positions make the top-k. fp32 weights are documented for A2/A3 since the
+      page's 2026-03 revisions (earlier ones, e.g. c2447e25, list bf16/fp16 only; the Ascend 950 takes
+      no fp32 weights).
+    * Order: the documentation promises the top-`sparse_count` set, not an order; its own test
+      compares against a descending (unstable) torch.sort. So the positions are those of the op, but
+      equal scores may come in another order than the op's "lower position first".
+    * Invalid entries: the documentation does not say what fills the slots past the visible count (its
+      test writes masked positions there), so anything outside 0..p becomes -1 here.
+    No host synchronisation: conversions are tensor ops of static shapes."""
+    import torch_npu
+
+    num_tokens = q.shape[0]
+    if num_tokens == 0:  # torch_npu refuses empty queries; nothing to select
+        return torch.full((0, topk), -1, dtype=torch.int32, device=q.device)
+    scaled = (weights.float() * softmax_scale).to(weights.dtype).contiguous()
+    indices = torch_npu.npu_lightning_indexer(
+        q.contiguous(), k_cache, scaled,
+        actual_seq_lengths_query=query_start_loc[1:].to(torch.int32),  # TND: cumulative, no leading 0
+        actual_seq_lengths_key=seq_lens.to(torch.int32),               # PA_BSND: per request
+        block_table=block_tables.to(torch.int32),
+        layout_query="TND", layout_key="PA_BSND", sparse_count=topk, sparse_mode=3)[0]
+    indices = indices.reshape(num_tokens, topk)  # [T, N2=1, sparse_count]
+    _, position = token_positions(seq_lens, query_start_loc, num_tokens)
+    visible = (indices >= 0) & (indices <= position[:, None])
+    return torch.where(visible, indices, -1).to(torch.int32)
+
+
+def sparse_mla_attention_reasons(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                 topk_indices, softmax_scale) -> list[str]:
+    """Why torch_npu.npu_sparse_flash_attention cannot serve this call (shapes and dtypes only)."""
+    reasons = []
+    if q_latent.dtype not in _NPU_FLOATS:
+        reasons.append(f"dtype {q_latent.dtype} (torch_npu's sparse flash attention takes float16/bfloat16)")
+    if q_latent.shape[2] != _SFA_LATENT or q_pe.shape[2] != _SFA_ROPE:
+        reasons.append(f"kv_lora_rank {q_latent.shape[2]} / rope_dim {q_pe.shape[2]} (torch_npu's sparse flash "
+                       f"attention takes {_SFA_LATENT} / {_SFA_ROPE})")
+    if q_latent.shape[1] not in _SFA_HEADS:
+        reasons.append(f"{q_latent.shape[1]} heads (torch_npu's sparse flash attention takes "
+                       f"{'/'.join(map(str, _SFA_HEADS))} on Atlas A2/A3)")
+    if topk_indices.shape[1] == 0:
+        reasons.append("topk width 0 (torch_npu's sparse_indices must not be empty)")
+    return reasons + _paged_block_reasons("key_cache", key_cache) + _paged_block_reasons("value_cache", value_cache)
+
+
+@NPU.kernel("sparse_mla_attention", reasons=sparse_mla_attention_reasons,
+            path=lambda *a, **k: "torch_npu.npu_sparse_flash_attention (MLA-absorb, sparse_mode=0)")
+def sparse_mla_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                         topk_indices, softmax_scale):
+    """torch_npu.npu_sparse_flash_attention in MLA-absorb mode (attention_mode=2): query = q_latent
+    [T, N, 512], query_rope = q_pe [T, N, 64], key = value = key_cache [NB, bs, 1, 512] (the latent),
+    key_rope = value_cache [NB, bs, 1, 64] (k_pe) -> o_latent [T, N, 512] in q's dtype.
+
+    * Indices: [T, K] request-local positions -> sparse_indices [T, 1, K] int32. The documentation
+      wants every row's valid entries first and -1s after (its reference stops at the first -1), the
+      op takes any order: positions that are not a cached position of the token's request become -1
+      and a stable sort moves the valid ones to the front, keeping their order.
+    * sparse_mode=0 ("only the sparse selection, no extra causal mask"), not vllm-ascend's 3: the op
+      attends to exactly the listed positions, also one after the token's own (which 3 would mask);
+      for the indexer's output, which lists none, both agree.
+    * A token with no valid position gets zeros (the op's contract; the documentation leaves it open).
+    * Numerics: the kernel's (P rounding and accumulation order may differ from the reference's).
+    No host synchronisation: conversions are tensor ops of static shapes."""
+    import torch_npu
+
+    num_tokens = q_latent.shape[0]
+    if num_tokens == 0:  # torch_npu refuses empty queries
+        return q_latent.new_zeros(q_latent.shape)
+    request = token_requests(query_start_loc, num_tokens)
+    indices = topk_indices.to(torch.int32)
+    valid = (indices >= 0) & (indices < seq_lens.to(torch.int32)[request][:, None])
+    front = torch.sort((~valid).to(torch.int32), dim=-1, stable=True).indices  # valid entries first
+    sparse_indices = torch.gather(torch.where(valid, indices, -1), 1, front).unsqueeze(1).contiguous()
+    out = torch_npu.npu_sparse_flash_attention(
+        q_latent.contiguous(), key_cache, key_cache, sparse_indices, float(softmax_scale),
+        block_table=block_tables.to(torch.int32),
+        actual_seq_lengths_query=query_start_loc[1:].to(torch.int32),  # TND: cumulative, no leading 0
+        actual_seq_lengths_kv=seq_lens.to(torch.int32),                # PA_BSND: per request
+        query_rope=q_pe.contiguous(), key_rope=value_cache, sparse_block_size=1,
+        layout_query="TND", layout_kv="PA_BSND", sparse_mode=0, attention_mode=2)[0]
+    return torch.where(valid.any(dim=1)[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def warmup_token_counts() -> tuple[int, ...]:

@@ -12,6 +12,13 @@ their documented semantics, of the torch_npu functions mla-ops calls:
   seq_offset=None, is_seq_lens_cumsum=False)` (op-plugin op_plugin_functions.yaml schema and docs
   torch_npu-npu_gather_pa_kv_cache.md: ND caches, in place; rows whose block id is invalid
   (negative or >= num_blocks) are written as zeros);
+* `npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query, actual_seq_lengths_key,
+  block_table, layout_query, layout_key, sparse_count, sparse_mode, ...) -> (indices, values)` and
+  `npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, ...) -> (out, max,
+  sum)` (op-plugin docs torch_npu-npu_lightning_indexer.md / -npu_sparse_flash_attention.md and the
+  reference implementations of test/test_custom_ops/test_npu_{lightning_indexer,sparse_flash_attention}.py),
+  for the TND query / PA_BSND cache layouts only; both assert the documented argument limits and
+  record their calls (`SPARSE_CALLS`);
 * `torch.npu`: is_available, device_count, current_device, set_device, synchronize, memory stats,
   NPUGraph / graph (records the aten ops issued during capture over the captured buffers and
   re-issues them on replay).
@@ -143,6 +150,112 @@ def npu_gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, 
             else:
                 key[base + t] = 0
                 value[base + t] = 0
+
+
+SPARSE_CALLS: list = []  # (name, {argument: (shape, dtype) or value}) of every sparse call
+
+
+def _describe(kwargs):
+    return {k: (tuple(v.shape), v.dtype, v.is_contiguous()) if isinstance(v, torch.Tensor) else v
+            for k, v in kwargs.items()}
+
+
+def _pa_rows(cache, table_row, length):
+    """The first `length` tokens of one request from a PA_BSND cache [NB, bs, 1, D] -> [length, D]."""
+    block_size = cache.shape[1]
+    blocks = [int(b) for b in table_row[: -(-length // block_size)]]
+    rows = cache[blocks].reshape(-1, cache.shape[-1]) if blocks else cache.new_zeros((0, cache.shape[-1]))
+    return rows[:length]
+
+
+def _check_tnd_pa(query, key, block_table, seq_q, seq_k, layout_query, layout_key):
+    assert layout_query == "TND" and layout_key == "PA_BSND", (layout_query, layout_key)
+    assert query.is_contiguous() and key.is_contiguous(), "query/key must be contiguous"
+    for t in (block_table, seq_q, seq_k):
+        assert t is not None and t.dtype == torch.int32, "block_table / actual_seq_lengths_* must be int32"
+    assert seq_q.shape == seq_k.shape == (block_table.shape[0],), (seq_q.shape, seq_k.shape, block_table.shape)
+    assert key.shape[1] % 16 == 0 and key.shape[1] <= 1024 and key.shape[2] == 1, key.shape
+    ends = seq_q.tolist()
+    assert ends == sorted(ends) and ends[-1] == query.shape[0], "TND: cumulative query lengths ending at T"
+    return [0] + ends, seq_k.tolist()
+
+
+def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                          block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
+                          pre_tokens=2**63 - 1, next_tokens=2**63 - 1, return_value=False):
+    """score[i, j] = sum_h weights[i, h] * relu(query[i, h] . key[j]) (fp32) over the request's
+    actual_seq_lengths_key tokens, sparse_mode=3 masking j > (Lk - Lq) + i; the top sparse_count
+    positions by descending score (an unstable sort, as the documentation's test), -1 after the visible ones."""
+    query, key, weights, seq_q, seq_k, table = (_unwrap(t) for t in (
+        query, key, weights, actual_seq_lengths_query, actual_seq_lengths_key, block_table))
+    SPARSE_CALLS.append(("npu_lightning_indexer", _describe(dict(
+        query=query, key=key, weights=weights, actual_seq_lengths_query=seq_q, actual_seq_lengths_key=seq_k,
+        block_table=table, layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
+        sparse_mode=sparse_mode))))
+    assert query.dtype in (torch.float16, torch.bfloat16) and key.dtype == query.dtype, (query.dtype, key.dtype)
+    assert weights.dtype in (torch.float32, query.dtype) and weights.is_contiguous(), weights.dtype
+    assert query.shape[1] <= 64 and query.shape[2] == key.shape[3] == 128, (query.shape, key.shape)
+    assert 1 <= sparse_count <= 2048 or sparse_count in (3072, 4096, 5120, 6144, 7168, 8192), sparse_count
+    assert sparse_mode in (0, 3) and not return_value
+    starts, lens = _check_tnd_pa(query, key, table, seq_q, seq_k, layout_query, layout_key)
+    out = torch.full((query.shape[0], 1, sparse_count), -1, dtype=torch.int32)
+    for b, length in enumerate(lens):
+        q, w = query[starts[b]:starts[b + 1]].float(), weights[starts[b]:starts[b + 1]].float()
+        k = _pa_rows(key, table[b], length).float()
+        scores = (torch.relu(torch.einsum("shd,jd->shj", q, k)) * w[..., None]).sum(1)  # [s, Lk]
+        if sparse_mode == 3:
+            causal = torch.arange(length)[None, :] > (length - q.shape[0]) + torch.arange(q.shape[0])[:, None]
+            scores.masked_fill_(causal, float("-inf"))
+        order = torch.sort(scores, dim=1, descending=True).indices[:, :sparse_count]
+        picked = torch.gather(scores, 1, order) > float("-inf")
+        out[starts[b]:starts[b + 1], 0, : order.shape[1]] = torch.where(picked, order, -1).to(torch.int32)
+    return _wrap(out), _wrap(torch.empty(0, dtype=query.dtype))
+
+
+def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
+                               actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
+                               key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
+                               sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
+                               return_softmax_lse=False, sinks=None):
+    """MLA-absorb (attention_mode=2): softmax(scale * ([q, q_rope] . [k, k_rope])) @ value over each
+    row's sparse_indices up to its first -1 (fp32 here), sparse_mode=3 masking j > (Lkv - Lq) + i."""
+    same_kv = key is value
+    query, key, value, sparse_indices, table, seq_q, seq_k, query_rope, key_rope = (_unwrap(t) for t in (
+        query, key, value, sparse_indices, block_table, actual_seq_lengths_query, actual_seq_lengths_kv, query_rope,
+        key_rope))
+    SPARSE_CALLS.append(("npu_sparse_flash_attention", dict(_describe(dict(
+        query=query, key=key, sparse_indices=sparse_indices, scale_value=scale_value, block_table=table,
+        actual_seq_lengths_query=seq_q, actual_seq_lengths_kv=seq_k, query_rope=query_rope, key_rope=key_rope,
+        sparse_block_size=sparse_block_size, layout_query=layout_query, layout_kv=layout_kv,
+        sparse_mode=sparse_mode, attention_mode=attention_mode)), value_is_key=same_kv)))
+    assert attention_mode == 2 and sparse_block_size == 1 and not return_softmax_lse and sinks is None
+    assert query.dtype in (torch.float16, torch.bfloat16), query.dtype
+    assert all(t.dtype == query.dtype for t in (key, value, query_rope, key_rope))
+    assert query.shape[2] == key.shape[3] == 512 and query_rope.shape[2] == key_rope.shape[3] == 64
+    assert query.shape[1] in (1, 2, 4, 8, 16, 32, 64, 128) and query_rope.is_contiguous()
+    assert sparse_indices.dtype == torch.int32 and sparse_indices.is_contiguous()
+    assert sparse_indices.shape[:2] == (query.shape[0], 1) and sparse_indices.shape[2] > 0, sparse_indices.shape
+    assert sparse_mode in (0, 3)
+    starts, lens = _check_tnd_pa(query, key, table, seq_q, seq_k, layout_query, layout_kv)
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    for b, length in enumerate(lens):
+        latent, k_pe = _pa_rows(key, table[b], length).float(), _pa_rows(key_rope, table[b], length).float()
+        q_len = starts[b + 1] - starts[b]
+        for i in range(q_len):
+            t = starts[b] + i
+            row = sparse_indices[t, 0].tolist()
+            listed = row[: row.index(-1)] if -1 in row else row  # valid entries first: stop at the first -1
+            assert all(x >= 0 for x in listed), "valid entries must precede the -1s"
+            listed = [j for j in listed if j < length]
+            if not listed:
+                continue
+            idx = torch.tensor(listed)
+            scores = (query[t].float() @ latent[idx].T + query_rope[t].float() @ k_pe[idx].T) * scale_value
+            if sparse_mode == 3:
+                scores.masked_fill_((idx > (length - q_len) + i)[None, :], -1e12)
+            out[t] = torch.softmax(scores, dim=-1) @ latent[idx]
+    empty = torch.empty(0, dtype=torch.float32)
+    return _wrap(out.to(query.dtype)), _wrap(empty), _wrap(empty.clone())
 
 
 # ------------------------------------------------------------------------------------ torch.npu
