@@ -395,7 +395,7 @@ def test_class_level_patch_of_a_family():
         patch.apply(family="hy_v4")
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3", "deepseek_v32", "glm_moe_dsa"])
 def test_ask_runs_a_saved_checkpoint_of_the_family(family, tmp_path):
     """`mla-ops ask --model-path` loads a saved family checkpoint offline and answers through the ops,
     with the same tokens as the stock model generates."""
