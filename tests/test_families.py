@@ -19,6 +19,7 @@ import torch
 
 from mla_ops.integrations import transformers as patch
 from mla_ops.integrations.transformers import families
+from mla_ops.testing.suites import GraphCapture
 
 import mla_families
 from utils import MlaCalls
@@ -324,12 +325,7 @@ def test_compile_fullgraph_keeps_the_ops_as_nodes(family):
     calls the prolog op, and the compiled output equals the eager one."""
     model = _model(family)
     ids = _prompt(batch=1)
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    capture = GraphCapture()
     with torch.no_grad(), patch.apply(model, rope=True):
         torch._dynamo.reset()
         if family in ATTENTION_ONLY_COMPILE:
@@ -339,8 +335,8 @@ def test_compile_fullgraph_keeps_the_ops_as_nodes(family):
         else:
             eager = model(ids, use_cache=False).logits
             got = torch.compile(model, backend=capture, fullgraph=True)(ids, use_cache=False).logits
-    assert len(graphs) == 1
-    targets = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert len(capture.graphs) == 1
+    targets = capture.call_targets()
     assert any("mla.kv_prolog" in t or "mla.latent_kv_prolog" in t for t in targets), sorted(targets)[:20]
     assert torch.equal(got, eager)
 

@@ -317,6 +317,16 @@ def sparse_args(heads=4, latent=512, rope=64, dtype=torch.bfloat16, block_size=1
             tables, lens, loc, idx, 0.07)
 def on_npu(args):
     return tuple(a.to("npu") if isinstance(a, torch.Tensor) else a for a in args)
+def npu_and_reference(op, kernel, args):
+    '''mla.<op> on the stand-in npu, checked to be served by torch_npu.<kernel>, and on CPU:
+    (npu result on the host, reference result, the arguments torch_npu.<kernel> was called with).'''
+    text = mla_ops.explain(op, *on_npu(args))
+    assert text.startswith(f"mla.{op}: npu") and f"torch_npu.{kernel}" in text, text
+    got = getattr(torch.ops.mla, op)(*on_npu(args)).cpu()
+    want = getattr(torch.ops.mla, op)(*args)
+    name, call = torch_npu.SPARSE_CALLS[-1]
+    assert name == kernel, name
+    return got, want, call
 """
 
 
@@ -339,13 +349,8 @@ def test_lightning_indexer_reaches_torch_npu_with_the_documented_arguments():
     the reference kernel (as sets: the fused kernel's tie order is not documented), -1 past p + 1."""
     run_sparse("""
         args = indexer_args()
-        text = mla_ops.explain("lightning_indexer", *on_npu(args))
-        assert text.startswith("mla.lightning_indexer: npu") and "torch_npu.npu_lightning_indexer" in text, text
-        got = torch.ops.mla.lightning_indexer(*on_npu(args)).cpu()
-        want = torch.ops.mla.lightning_indexer(*args)
-        name, call = torch_npu.SPARSE_CALLS[-1]
+        got, want, call = npu_and_reference("lightning_indexer", "npu_lightning_indexer", args)
         T, H, D = args[0].shape
-        assert name == "npu_lightning_indexer"
         assert call["layout_query"] == "TND" and call["layout_key"] == "PA_BSND" and call["sparse_mode"] == 3
         assert call["sparse_count"] == 20 and call["query"] == ((T, H, D), torch.bfloat16, True)
         assert call["weights"] == ((T, H), torch.float32, True)  # fp32 kept, scale folded in
@@ -370,13 +375,9 @@ def test_sparse_mla_attention_reaches_torch_npu_with_the_documented_arguments():
     the k_pe cache; sparse_indices [T, 1, K] int32 with the -1s moved last; the reference's result."""
     run_sparse("""
         args = sparse_args()
-        text = mla_ops.explain("sparse_mla_attention", *on_npu(args))
-        assert text.startswith("mla.sparse_mla_attention: npu") and "npu_sparse_flash_attention" in text, text
-        got = torch.ops.mla.sparse_mla_attention(*on_npu(args)).cpu()
-        want = torch.ops.mla.sparse_mla_attention(*args)
-        name, call = torch_npu.SPARSE_CALLS[-1]
+        got, want, call = npu_and_reference("sparse_mla_attention", "npu_sparse_flash_attention", args)
         T, N, L = args[0].shape
-        assert name == "npu_sparse_flash_attention" and call["value_is_key"]
+        assert call["value_is_key"]
         assert call["layout_query"] == "TND" and call["layout_kv"] == "PA_BSND" and call["attention_mode"] == 2
         assert call["sparse_mode"] == 0 and call["sparse_block_size"] == 1 and call["scale_value"] == 0.07
         assert call["sparse_indices"] == ((T, 1, 12), torch.int32, True)

@@ -14,6 +14,7 @@ from test_families import SPARSE_SERVED, _model, _prompt, expected_calls
 
 from mla_ops.integrations import transformers as patch
 from mla_ops.integrations.transformers import MLAPagedCache, families, indexer
+from mla_ops.testing.suites import GraphCapture
 
 import mla_families
 from utils import MlaCalls
@@ -85,20 +86,28 @@ def test_padded_greedy_tokens_equal_to_stock(family, static, cache, dtype):
     mode on the same cache or the paged mode (MLAPagedCache, static with cache_implementation="static"):
     the same tokens, the prefill logits bit-identical (dense bf16: every step's, as in
     tests/test_families.py); the paged decode steps attend to the indexer's top-k over the paged
-    latent cache with mla.sparse_mla_attention."""
+    latent cache with mla.sparse_mla_attention.
+
+    Stock's static cache attends over its whole length in prefill, the slots past the prompt masked:
+    a longer reduction, whose rounding differs from the dynamic cache's by an ulp on some CPUs (AVX-512
+    GEMM blocking). The paged cache holds the prompt only, as the dynamic cache does, so its prefill
+    logits are compared bit for bit with stock's dynamic-cache run, and within that ulp with the static
+    one."""
     model = _model(family, dtype=dtype)
     ids, mask = _padded_prompt()
     extra = dict(cache_implementation="static") if static else {}
     options = dict(rope=True, cache=cache)
     with torch.no_grad():
         expected = _generate(model, ids, mask, **extra)
+        same_prefill = _generate(model, ids, mask) if static and cache == "paged" else expected
         with patch.apply(model, **options), MlaCalls() as calls:
             got = _generate(model, ids, mask, **extra)
     assert calls.counts == expected_calls(family, model, options, forwards=NEW_TOKENS,
                                           decode_steps=NEW_TOKENS - 1 if cache == "paged" else 0)
     assert torch.equal(got.sequences, expected.sequences)
     real = mask.bool()
-    assert torch.equal(got.logits[0], expected.logits[0])
+    assert torch.equal(got.logits[0], same_prefill.logits[0])
+    torch.testing.assert_close(got.logits[0], expected.logits[0], rtol=0, atol=4 * torch.finfo(dtype).eps)
     if cache == "paged":
         assert isinstance(got.past_key_values, MLAPagedCache) and got.past_key_values.static == static
     elif dtype == torch.bfloat16:
@@ -145,19 +154,14 @@ def test_compiled_paged_decode_has_no_graph_break(family):
         model(ids, cache=cache, position_ids=torch.arange(ids.shape[1])[None], use_cache=True)
         return cache
 
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    capture = GraphCapture()
     nxt = ids[:, -1:]
     with torch.no_grad(), patch.apply(model, rope=True, cache="paged"):
         eager = _decode_once(model, nxt, prefilled(), ids.shape[1])
         torch._dynamo.reset()
         compiled = _decode_once(torch.compile(model, backend=capture, fullgraph=True), nxt, prefilled(), ids.shape[1])
-    assert len(graphs) == 1
-    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert len(capture.graphs) == 1
+    targets = capture.call_targets()
     assert {"mla.lightning_indexer", "mla.scatter_pa_cache", "mla.sparse_mla_attention"} <= targets, sorted(targets)
     assert "mla.mla_decode_attention" not in targets
     assert torch.equal(compiled, eager)
@@ -167,19 +171,14 @@ def test_compiled_paged_decode_has_no_graph_break(family):
 def test_compiled_dense_prefill_has_the_indexer_op(family):
     model = _model(family)
     ids = _prompt(batch=1)
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    capture = GraphCapture()
     with torch.no_grad():
         stock = model(ids, use_cache=False).logits
         with patch.apply(model, q_prolog=True):
             torch._dynamo.reset()
             got = torch.compile(model, backend=capture, fullgraph=True)(ids, use_cache=False).logits
-    assert len(graphs) == 1
-    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert len(capture.graphs) == 1
+    targets = capture.call_targets()
     assert {"mla.lightning_indexer", "mla.q_prolog", "mla.kv_prolog"} <= targets
     assert torch.equal(got, stock)
 

@@ -5,8 +5,8 @@ ops); for MLA, `key_cache` holds the latent (`heads=1, dim=L`) and `value_cache`
 k_pe (`heads=1, dim=R`). A token's slot is `block * block_size + offset`.
 
 Two kinds of validation:
-* metadata checks (`check_cache_pair`, `check_token_tensor`): sync-free, shared by fakes and eager
-  kernels;
+* metadata checks (`check_cache_pair`, `check_token_tensor`, `check_latent_query_and_caches`):
+  sync-free, shared by fakes and eager kernels;
 * value checks (block ids in range, lengths, offsets): they read index tensors back to the host, so
   they are a host sync. CPU kernels run them on every call (the data is already on the host);
   other devices run them only when asked (`validate=True` in the Python helpers); none of them ever
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_rank, check_same_dtype, check_size
+from .._checks import check_float, check_rank, check_same_dtype, check_size
 
 CACHE_LAYOUT = "[num_blocks, block_size, heads, dim]"
 
@@ -42,6 +42,28 @@ def check_token_tensor(op: str, name: str, t: Tensor, cache_name: str, cache: Te
     check_size(op, name, t.shape[1], cache.shape[2], f"heads (dim 1) must equal {cache_name}.shape[2]")
     check_size(op, name, t.shape[2], cache.shape[3], f"head dim (dim 2) must equal {cache_name}.shape[3]")
     check_same_dtype(op, name, t, cache_name, cache)
+
+
+def check_latent_query_and_caches(op: str, rows: str, q_latent: Tensor, q_pe: Tensor, key_cache: Tensor,
+                                  value_cache: Tensor) -> None:
+    """The absorbed MLA query and the cache pair it attends over: q_latent [rows, N, L] (floating),
+    q_pe [rows, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache [NB, bs, 1, R] (k_pe); all in
+    q_latent's dtype. `rows` names dim 0 of the queries in the messages ("tokens", "batch")."""
+    check_float(op, "q_latent", q_latent)
+    check_rank(op, "q_latent", q_latent, 3, f"[{rows}, heads, kv_lora_rank] (q_nope absorbed with W_UK)")
+    check_rank(op, "q_pe", q_pe, 3, f"[{rows}, heads, rope_dim] (rotated)")
+    check_same_dtype(op, "q_pe", q_pe, "q_latent", q_latent)
+    check_size(op, "q_pe", q_pe.shape[0], q_latent.shape[0], f"{rows} (dim 0) must equal q_latent's")
+    check_size(op, "q_pe", q_pe.shape[1], q_latent.shape[1], "heads (dim 1) must equal q_latent's")
+    check_cache_pair(op, key_cache, value_cache)
+    check_size(op, "key_cache", key_cache.shape[2], 1, "heads (dim 2) must be 1: MLA caches one shared latent")
+    check_size(op, "value_cache", value_cache.shape[2], 1, "heads (dim 2) must be 1: MLA caches one shared k_pe")
+    check_size(op, "key_cache", key_cache.shape[3], q_latent.shape[2],
+               "dim (dim 3) must equal kv_lora_rank, the last dim of q_latent")
+    check_size(op, "value_cache", value_cache.shape[3], q_pe.shape[2],
+               "dim (dim 3) must equal rope_dim, the last dim of q_pe")
+    check_same_dtype(op, "key_cache", key_cache, "q_latent", q_latent)
+    check_same_dtype(op, "value_cache", value_cache, "q_latent", q_latent)
 
 
 # ---------------------------------------------------------------------------------- value checks

@@ -24,16 +24,14 @@ import torch
 from torch import Tensor
 
 from .._checks import (
-    check_float,
     check_index,
     check_rank,
     check_same_device,
-    check_same_dtype,
     check_size,
     memo_by_signature,
 )
 from .._library import define_op
-from ._paged import check_cache_pair, check_used_block_ids, validates_on_host
+from ._paged import check_latent_query_and_caches, check_used_block_ids, validates_on_host
 
 OP = "mla_decode_attention"
 
@@ -49,21 +47,7 @@ def check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_ta
         torch._check(math.isfinite(softmax_scale) and softmax_scale > 0,
                      lambda: f"mla.{OP}: softmax_scale must be a finite positive number "
                      f"(e.g. qk_head_dim ** -0.5), got {softmax_scale}")
-    check_float(OP, "q_latent", q_latent)
-    check_rank(OP, "q_latent", q_latent, 3, "[batch, heads, kv_lora_rank] (q_nope absorbed with W_UK)")
-    check_rank(OP, "q_pe", q_pe, 3, "[batch, heads, rope_dim] (rotated)")
-    check_same_dtype(OP, "q_pe", q_pe, "q_latent", q_latent)
-    check_size(OP, "q_pe", q_pe.shape[0], q_latent.shape[0], "batch (dim 0) must equal q_latent's")
-    check_size(OP, "q_pe", q_pe.shape[1], q_latent.shape[1], "heads (dim 1) must equal q_latent's")
-    check_cache_pair(OP, key_cache, value_cache)
-    check_size(OP, "key_cache", key_cache.shape[2], 1, "heads (dim 2) must be 1: MLA caches one shared latent")
-    check_size(OP, "value_cache", value_cache.shape[2], 1, "heads (dim 2) must be 1: MLA caches one shared k_pe")
-    check_size(OP, "key_cache", key_cache.shape[3], q_latent.shape[2],
-               "dim (dim 3) must equal kv_lora_rank, the last dim of q_latent")
-    check_size(OP, "value_cache", value_cache.shape[3], q_pe.shape[2],
-               "dim (dim 3) must equal rope_dim, the last dim of q_pe")
-    check_same_dtype(OP, "key_cache", key_cache, "q_latent", q_latent)
-    check_same_dtype(OP, "value_cache", value_cache, "q_latent", q_latent)
+    check_latent_query_and_caches(OP, "batch", q_latent, q_pe, key_cache, value_cache)
     check_index(OP, "block_tables", block_tables)
     check_rank(OP, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]")
     check_size(OP, "block_tables", block_tables.shape[0], q_latent.shape[0], "rows must equal the batch size")

@@ -44,7 +44,7 @@ from .._checks import (
     memo_by_signature,
 )
 from .._library import define_op
-from ._paged import check_cache_pair, check_used_block_ids, validates_on_host
+from ._paged import check_latent_query_and_caches, check_used_block_ids, validates_on_host
 
 INDEXER = "lightning_indexer"
 SPARSE = "sparse_mla_attention"
@@ -110,21 +110,7 @@ def check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, bloc
     (k_pe); the request tensors; topk_indices [T, K] int32/int64; softmax_scale finite positive."""
     op = SPARSE
     _check_scale(op, softmax_scale)
-    check_float(op, "q_latent", q_latent)
-    check_rank(op, "q_latent", q_latent, 3, "[tokens, heads, kv_lora_rank] (q_nope absorbed with W_UK)")
-    check_rank(op, "q_pe", q_pe, 3, "[tokens, heads, rope_dim] (rotated)")
-    check_same_dtype(op, "q_pe", q_pe, "q_latent", q_latent)
-    check_size(op, "q_pe", q_pe.shape[0], q_latent.shape[0], "tokens (dim 0) must equal q_latent's")
-    check_size(op, "q_pe", q_pe.shape[1], q_latent.shape[1], "heads (dim 1) must equal q_latent's")
-    check_cache_pair(op, key_cache, value_cache)
-    check_size(op, "key_cache", key_cache.shape[2], 1, "heads (dim 2) must be 1: MLA caches one shared latent")
-    check_size(op, "value_cache", value_cache.shape[2], 1, "heads (dim 2) must be 1: MLA caches one shared k_pe")
-    check_size(op, "key_cache", key_cache.shape[3], q_latent.shape[2],
-               "dim (dim 3) must equal kv_lora_rank, the last dim of q_latent")
-    check_size(op, "value_cache", value_cache.shape[3], q_pe.shape[2],
-               "dim (dim 3) must equal rope_dim, the last dim of q_pe")
-    check_same_dtype(op, "key_cache", key_cache, "q_latent", q_latent)
-    check_same_dtype(op, "value_cache", value_cache, "q_latent", q_latent)
+    check_latent_query_and_caches(op, "tokens", q_latent, q_pe, key_cache, value_cache)
     _check_requests(op, block_tables, seq_lens, query_start_loc)
     check_index(op, "topk_indices", topk_indices)
     check_rank(op, "topk_indices", topk_indices, 2, "[tokens, topk] (request-local positions, -1 = none)")

@@ -212,7 +212,7 @@ def tensor_function(op: str, sample: Sample, clone_written: bool = True):
     return fn, [flat[i] for i in where]
 
 
-class _GraphCapture:
+class GraphCapture:
     """A torch.compile backend that records the FX graphs Dynamo hands over, then runs them."""
 
     def __init__(self):
@@ -221,6 +221,10 @@ class _GraphCapture:
     def __call__(self, gm, example_inputs):
         self.graphs.append(gm)
         return gm.forward
+
+    def call_targets(self) -> set[str]:
+        """The targets (as strings, e.g. "mla.kv_prolog") of every call_function node of the graphs."""
+        return {str(node.target) for gm in self.graphs for node in gm.graph.nodes if node.op == "call_function"}
 
     def op_nodes(self, op: str) -> int:
         packet = getattr(torch.ops.mla, op)
@@ -232,7 +236,7 @@ def compiles_to_one_node(op: str, sample: Sample) -> None:
     """torch.compile(fullgraph=True): one graph, no break, the op as exactly one node; outputs equal eager."""
     fn, tensors = tensor_function(op, sample)
     torch._dynamo.reset()
-    capture = _GraphCapture()
+    capture = GraphCapture()
     compiled = torch.compile(fn, backend=capture, fullgraph=True)
     got = compiled(*tensors)
     assert len(capture.graphs) == 1, f"{len(capture.graphs)} graphs"
@@ -321,7 +325,7 @@ def raises_when_compiled(op: str, error: ErrorInput) -> None:
     fn, tensors = tensor_function(op, error.sample, clone_written=False)
     snapshot = _snapshot(error.sample)
     torch._dynamo.reset()
-    capture = _GraphCapture()
+    capture = GraphCapture()
     compiled = torch.compile(fn, backend=capture, fullgraph=True)
     try:
         compiled(*tensors)
