@@ -3,6 +3,8 @@
 Measures, on `--threads` cores (OpenMP, one thread per core):
   * fp32 FMA peak: independent chains of vfmadd231ps (512-bit and 256-bit), GFLOP/s;
   * bf16 dot peak: independent chains of vdpbf16ps (512-bit; only where the CPU has AVX512-BF16);
+  * bf16 GEMM throughput of torch.matmul (oneDNN; on AMX tiles where the CPU has them): the practical
+    AMX peak, where the CPU has AMX;
   * read bandwidth: every thread sums its share of a buffer, once for a DRAM-sized buffer and once
     for one that fits the last-level cache (the B=1 cache of 4.7 MB stays there between decode steps);
 and prints, for each decode case (bf16, N=16, L=512, R=64), the work (2 flops per multiply-add:
@@ -133,6 +135,23 @@ def decode_case(batch: int, ctx: int) -> dict:
     return {"B": batch, "ctx": ctx, "gflop": flops / 1e9, "cache_mb": cache_bytes / 1e6}
 
 
+def bf16_gemm_gflops(threads: int, n: int = 2048) -> float:
+    """Best of five n x n x n bf16 torch.matmul (fp32 accumulation in oneDNN) on `threads` threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+        torch.matmul(a, b)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n**3 / best / 1e9
+    finally:
+        torch.set_num_threads(previous)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -149,6 +168,7 @@ def main() -> None:
         "fp32_fma_512_gflops": ext.fma512(t, iters) / 1e9,
         "fp32_fma_256_gflops": ext.fma256(t, iters) / 1e9,
         "bf16_dot_512_gflops": ext.dpbf16(t, iters) / 1e9 if has_bf16 else None,
+        "bf16_gemm_gflops": bf16_gemm_gflops(t),
         "read_dram_gbs": ext.read_bw(t, 1 << 30, 1) / 1e9,
         "read_llc_4p7mb_gbs": ext.read_bw(t, 4_718_592, 100) / 1e9,
     }
@@ -162,15 +182,17 @@ def main() -> None:
         c["fp32_floor_ms"] = c["gflop"] / peaks["fp32_fma_512_gflops"] * 1e3
         if peaks["bf16_dot_512_gflops"]:
             c["bf16_floor_ms"] = c["gflop"] / peaks["bf16_dot_512_gflops"] * 1e3
+        c["bf16_gemm_floor_ms"] = c["gflop"] / peaks["bf16_gemm_gflops"] * 1e3
         cases.append(c)
     print(f"threads: {t}")
     for k, v in peaks.items():
         print(f"  {k}: {v:.1f}" if v is not None else f"  {k}: n/a")
-    print(f"{'case':>12} {'GFLOP':>7} {'cache MB':>9} {'fp32 ms':>8} {'bf16 ms':>8} {'mem ms':>7} level")
+    print(f"{'case':>12} {'GFLOP':>7} {'cache MB':>9} {'fp32 ms':>8} {'bf16 ms':>8} {'GEMM ms':>8} {'mem ms':>7} level")
     for c in cases:
         label = f"B={c['B']} ctx={c['ctx']}"
         print(f"{label:>12} {c['gflop']:7.3f} {c['cache_mb']:9.1f} {c['fp32_floor_ms']:8.3f} "
-              f"{c.get('bf16_floor_ms', float('nan')):8.3f} {c['memory_floor_ms']:7.3f} {c['memory_level']}")
+              f"{c.get('bf16_floor_ms', float('nan')):8.3f} {c['bf16_gemm_floor_ms']:8.3f} "
+              f"{c['memory_floor_ms']:7.3f} {c['memory_level']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": t, "peaks": peaks, "cases": cases, "torch": torch.__version__,

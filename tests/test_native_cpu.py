@@ -13,6 +13,7 @@ ops (`torch.ops.mla.*` with the default backend) are the oracle:
   than the reference (within one output ulp) and within a dtype tolerance.
 """
 
+import os
 
 import pytest
 import torch
@@ -112,18 +113,59 @@ def test_decode_matches_reference(ext, dtype, block_size):
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], dtype)
 
 
-@pytest.mark.parametrize("heads", [1, 5, 16])
+def _expected_bf16_engine(ext, amx: bool) -> str:
+    """The tile engine a build should pick for bf16 caches with L, R multiples of 32 on this CPU."""
+    if ext.isa() != "AVX512":
+        return "fp32"
+    if amx and torch.cpu._is_amx_tile_supported() and "DNNL_MAX_CPU_ISA" not in os.environ:
+        return "amx"
+    return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "fp32"
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
+@pytest.mark.parametrize("heads", [1, 5, 16, 128])
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64])
-def test_decode_bf16_dot_product_path(ext, heads, block_size, monkeypatch):
-    """bf16 caches whose latent and rope dims are multiples of 32 take the bf16 dot-product kernel on
-    CPUs with AVX512-BF16 (the fp32 path elsewhere): against the fp64 oracle and the reference, over
-    head counts that do not fill the 4-head register blocks and ragged lengths."""
+@pytest.mark.parametrize("fused", [True, False], ids=["pool-views", "two-caches"])
+def test_decode_bf16_tile_engines(ext, heads, block_size, fused, amx, monkeypatch):
+    """bf16 caches whose latent and rope dims are multiples of 32 take the AMX engine on CPUs whose
+    oneDNN runs AMX tiles, the AVX512-BF16 dot-product engine where AMX is off (MLA_OPS_NATIVE_AMX=0)
+    or absent, the fp32 engine elsewhere: against the fp64 oracle and the reference, over head counts
+    that fill no tile or register block, ragged lengths (tiles across blocks, unit tails), one pool
+    split into views (latent and rope side by side: one product over L + R) and two caches."""
     monkeypatch.setitem(globals(), "N", heads)  # _pool_case's query heads
-    args = _pool_case(torch.bfloat16, block_size, [1, 31, 32, 33, 2 * block_size + 7, 300], L=96, R=32)
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
+    args = _pool_case(torch.bfloat16, block_size, [1, 31, 32, 33, 2 * block_size + 7, 300], L=96, R=32,
+                      contiguous=not fused)
+    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == _expected_bf16_engine(ext, amx)
     scale = 128**-0.5
     out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
     ref = torch.ops.mla.mla_decode_attention(*args, scale)
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_bf16_engines_at_v2_lite_dims(ext, batch, amx, monkeypatch):
+    """V2-Lite dims (16 heads, 512 + 64) over 64-token blocks, 2000+ tokens: every tile one run of one
+    block (the AMX engine reads the rows in place) but the split units' tails."""
+    monkeypatch.setitem(globals(), "N", 16)
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
+    args = _pool_case(torch.bfloat16, 64, [2051, 64, 700][:batch], L=512, R=64)
+    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == _expected_bf16_engine(ext, amx)
+    scale = 192**-0.5
+    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    ref = torch.ops.mla.mla_decode_attention(*args, scale)
+    _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_decode_engine_of_other_dtypes_and_dims_is_fp32(ext, dtype):
+    args = _pool_case(dtype, 16, [5], L=96, R=32)
+    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == "fp32"
+    args = _pool_case(torch.bfloat16, 16, [5], L=80, R=16)  # not multiples of 32
+    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == "fp32"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
@@ -536,12 +578,16 @@ def _token_positions(seq_lens, starts):
     return out
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "prefill-chunk"])
-def test_indexer_random_floats_at_v32_dims(ext, dtype, q_len):
+def test_indexer_random_floats_at_v32_dims(ext, dtype, q_len, amx, monkeypatch):
     """DeepSeek-V3.2's indexer (64 heads x 128, top-2048) over ~3000 cached tokens: the native top-k
     equals the reference's except for positions whose exact score lies within a relative 1e-5 of the
-    k-th (where the two summation orders may rank differently), and is in descending score order."""
+    k-th (where the two summation orders may rank differently), and is in descending score order; bf16
+    keys scored on AMX tiles where the CPU has them, and with AMX off."""
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
     topk, scale = 2048, 128**-0.5
     q, weights, k_cache, keys, tables, seq_lens, starts = _indexer_case(
         dtype, [3000 + q_len, 700], [q_len, 1], heads=64, dim=128, block_size=64, seed=q_len)
@@ -631,15 +677,20 @@ def test_sparse_attention_matches_reference(ext, dtype, block_size):
     assert normalised_error(got, exact) <= max(_SPARSE_TOL[dtype], normalised_error(want, exact))
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
 @pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "prefill-chunk"])
-def test_sparse_attention_of_the_indexers_choice_at_v32_dims(ext, q_len):
+def test_sparse_attention_of_the_indexers_choice_at_v32_dims(ext, q_len, amx, monkeypatch):
     """The indexer's top-2048 of ~3000 tokens attended with DeepSeek-V3.2's latent / rope dims (bf16;
-    T = 1 splits the 2048 positions over the cores and merges them)."""
+    T = 1 splits the 2048 positions over the cores and merges them), on each bf16 tile engine the CPU
+    has (AMX gathers the listed rows into its tile)."""
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
     q, weights, k_cache, _, tables, seq_lens, starts = _indexer_case(
         torch.bfloat16, [3000 + q_len], [q_len], heads=64, dim=128, block_size=64, seed=3)
     topk = native_cpu.lightning_indexer(q, weights, k_cache, tables, seq_lens, starts, 2048, 128**-0.5, _ext=ext)
     args = _sparse_case(torch.bfloat16, tables, seq_lens, starts, topk=2048, heads=16 if q_len > 1 else 128, L=512,
                         R=64, block_size=64, indices=topk)
+    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == _expected_bf16_engine(ext, amx)
     scale = 192**-0.5
     got = native_cpu.sparse_mla_attention(*args, scale, _ext=ext)
     want = torch.ops.mla.sparse_mla_attention(*args, scale)
@@ -672,6 +723,25 @@ def test_indexer_ties_nan_and_strided_keys(ext, dtype):
     k_cache[1, 2, 0, :] = float("inf")
     weights = weights.sign().to(dtype)
     args = (q, weights, k_cache, tables, seq_lens, starts, 16, 0.5)
+    assert torch.equal(native_cpu.lightning_indexer(*args, _ext=ext), torch.ops.mla.lightning_indexer(*args))
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
+@pytest.mark.parametrize("heads", [3, 64])
+def test_indexer_exact_ties_nan_and_inf_on_every_bf16_engine(ext, heads, amx, monkeypatch):
+    """bf16 keys with unit-stride rows and 32-multiple dims (the AMX scorer's, where the CPU has AMX
+    tiles): integer inputs, so every summation order gives the exact scores, with many ties, a NaN and
+    an inf key, prefill chunks and decode tokens, tiles of keys across blocks: bit-identical to the
+    reference."""
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
+    q, weights, k_cache, _, tables, seq_lens, starts = _indexer_case(
+        torch.bfloat16, [45, 300, 33], [5, 1, 33], heads=heads, dim=64, block_size=16, seed=heads)
+    q, k_cache = q.round().clamp(-2, 2), k_cache.round().clamp(-1, 1)
+    k_cache[0, 3, 0, 0] = float("nan")
+    k_cache[1, 2, 0, :] = float("inf")
+    weights = weights.sign()
+    args = (q, weights, k_cache, tables, seq_lens, starts, 24, 0.5)
     assert torch.equal(native_cpu.lightning_indexer(*args, _ext=ext), torch.ops.mla.lightning_indexer(*args))
 
 

@@ -40,6 +40,9 @@ from . import Backend
 
 ISAS = ("avx512", "avx2", "default")
 ENV_ISA = "MLA_OPS_NATIVE_ISA"
+# "0" turns off the AMX tile engine of the decode / sparse attention kernels (read on every call):
+# bf16 then runs on the AVX512-BF16 engine, e.g. to compare the two on one machine.
+ENV_AMX = "MLA_OPS_NATIVE_AMX"
 
 _lock = threading.Lock()
 _modules: dict[str, Optional[ModuleType]] = {}
@@ -123,6 +126,14 @@ def isa() -> Optional[str]:
 def available_isas() -> list[str]:
     """Every build that is installed and runs on this CPU (the tests and the benchmark loop over them)."""
     return [name for name in ISAS if _import(name) is not None]
+
+
+def attention_engine(q_latent: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+                     _ext: Optional[ModuleType] = None) -> str:
+    """The tile engine the decode / sparse attention kernel of a build runs for these operands: "amx"
+    (bf16 on AMX tiles, through oneDNN's brgemm ukernel, on CPUs where oneDNN runs AMX), "avx512_bf16"
+    (bf16 dot products, vdpbf16ps) or "fp32" (fp32 FMA: every other dtype, layout or CPU)."""
+    return _module(_ext).attention_engine(q_latent, key_cache, value_cache)
 
 
 def _module(ext: Optional[ModuleType]) -> ModuleType:

@@ -55,7 +55,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "env": {
             k: os.environ[k]
-            for k in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", native_cpu.ENV_ISA)
+            for k in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", native_cpu.ENV_ISA, native_cpu.ENV_AMX)
             if k in os.environ
         },
     }
@@ -90,6 +90,19 @@ def _ms(results, name):
     return results[name]["median_s"] * 1e3
 
 
+def _without_amx(fn, *args):
+    """fn(*args) with the native AMX engine turned off (MLA_OPS_NATIVE_AMX=0, read on every call)."""
+    previous = os.environ.get(native_cpu.ENV_AMX)
+    os.environ[native_cpu.ENV_AMX] = "0"
+    try:
+        return fn(*args)
+    finally:
+        if previous is None:
+            del os.environ[native_cpu.ENV_AMX]
+        else:
+            os.environ[native_cpu.ENV_AMX] = previous
+
+
 def decode_rows(
     configs, dtypes, *, vllm: bool = True, reference: bool = True, rounds: int = 5, min_run_time: float = 0.2
 ) -> list[dict]:
@@ -109,6 +122,9 @@ def decode_rows(
             key_cache, value_cache = pool[..., :L].unsqueeze(2), pool[..., L:].unsqueeze(2)
             args = (q_latent, q_pe, key_cache, value_cache, tables, lens, SCALE)
             variants = {"native": lambda: torch.ops.mla.mla_decode_attention(*args)}
+            engine = native_cpu.attention_engine(q_latent, key_cache, value_cache)
+            if engine == "amx":  # the AVX512-BF16 engine the AMX one replaces, on the same call
+                variants["native_avx512_bf16"] = lambda: _without_amx(torch.ops.mla.mla_decode_attention, *args)
             if reference:
                 variants["reference"] = lambda: REFERENCE["mla_decode_attention"](*args)
             # vLLM's own kernels that take this block size and dtype on this CPU (CPU_MLA: 16; AMX_MLA: bf16,
@@ -122,7 +138,11 @@ def decode_rows(
                 "ctx": ctx,
                 "block": block_size,
                 "native_ms": _ms(res, "native"),
+                "engine": engine,
             }
+            if "native_avx512_bf16" in res:
+                row["avx512_bf16_ms"] = _ms(res, "native_avx512_bf16")
+                row["amx_speed_vs_avx512_bf16"] = median_ratio(res, "native_avx512_bf16", "native")
             if "reference" in res:
                 row["reference_ms"] = _ms(res, "reference")
                 row["speedup_vs_reference"] = median_ratio(res, "reference", "native")
@@ -318,7 +338,10 @@ def format_report(result: dict) -> str:
         ("B", "B"),
         ("ctx", "ctx"),
         ("block", "block"),
+        ("engine", "engine"),
         ("native_ms", "native ms"),
+        ("avx512_bf16_ms", "AVX512-BF16 engine ms"),
+        ("amx_speed_vs_avx512_bf16", "AMX x AVX512-BF16"),
         ("reference_ms", "reference ms"),
         ("speedup_vs_reference", "x reference"),
         ("vllm_backend", "vLLM kernel"),

@@ -60,6 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("value_cache"), arg("block_tables"), arg("seq_lens"), arg("query_start_loc"), arg("topk_indices"),
         arg("softmax_scale"), no_gil);
 
+  m.def("attention_engine", &attention_engine, arg("q_latent"), arg("key_cache"), arg("value_cache"));
   m.def(
       "mla_decode_attention_reasons",
       [](const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache) {

@@ -16,14 +16,21 @@
 // Units split a sequence's context (split-K) so one sequence keeps every core busy; a final pass
 // merges the per-unit (max, sum, accumulator) triples per head and writes the output dtype.
 //
-// Two tile engines, picked at run time:
+// Three tile engines, picked at run time (`choose_engine`; `attention_engine` names the choice):
+//  * AmxTiles (AVX-512 build, bf16 caches, CPUs whose oneDNN runs AMX tiles): both products on AMX
+//    through at::native::cpublas::brgemm (oneDNN's brgemm ukernel), fp32 accumulation. The scores
+//    are computed transposed, S^T[tokens, heads] = rows . Q^T, so the cached rows are the A matrix read
+//    in place (a tile of consecutive rows of one block; copied only when a tile spans blocks or
+//    positions, as sparse index lists do) and only the query is packed to the VNNI layout, once
+//    per unit; P . latent takes the tile's rows interleaved in token pairs (VNNI), as SGLang's
+//    sgl-kernel/csrc/cpu/decode.cpp packs them. Probabilities rounded to bf16 as below.
+//    MLA_OPS_NATIVE_AMX=0 turns it off (the AVX512-BF16 engine then serves).
 //  * Bf16DotTiles (AVX-512 build, bf16 caches, CPUs with AVX512-BF16): bf16 products with fp32
 //    accumulation through vdpbf16ps. The score dots read the cached rows in place (the reduction
 //    runs along the row, lanes over its dims); for P . latent the tile's rows are interleaved in
-//    token pairs once (the VNNI layout also used by SGLang's sgl-kernel/csrc/cpu/decode.cpp) and
-//    the probabilities are rounded to bf16, the rounding the reference kernel applies too. The
-//    softmax denominator sums the rounded probabilities, so numerator and denominator share the
-//    same weights.
+//    token pairs once (the VNNI layout) and the probabilities are rounded to bf16, the rounding the
+//    reference kernel applies too. The softmax denominator sums the rounded probabilities, so
+//    numerator and denominator share the same weights.
 //  * F32Tiles (every build, every dtype): rows converted to fp32 once per tile (fp32 caches read in
 //    place), register-blocked fp32 FMA micro-kernels.
 // Score micro-kernels keep one accumulator per (head, token) with lanes over the dims and reduce
@@ -33,10 +40,7 @@
 // Positions at or past a row's length (decode) or not listed (sparse) are never read, so whatever
 // sits in unattended slots (NaN/inf included) cannot reach the output. The next tile's rows are
 // prefetched while a tile is computed (a sequence's blocks are scattered over the pool).
-//
-// AMX tiles are not used. The route to them would be at::native::cpublas::brgemm (oneDNN's
-// ukernel) on VNNI-packed tiles; on a CPU without AMX oneDNN runs its AVX-512 kernels there
-// instead, so the AMX half of that path cannot be exercised where AMX is absent.
+#include "amx.h"
 #include "ops.h"
 #include "score_blocks.h"
 
@@ -45,7 +49,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -327,6 +333,39 @@ MLA_TARGET_BF16 inline void bf16_acc_block(float* const* o, const int32_t* const
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o[h] + d0 + 16 * c, acc[h][c]);
 }
 
+// packed[j][d] = (rows[2j][d], rows[2j+1][d]) as one dword, j < pairs, d < L (L % 32 == 0): the
+// VNNI layout of a [2 * pairs, L] bf16 matrix. One two-source word permute (vpermt2w) per 16 output
+// dwords.
+MLA_TARGET_BF16 inline void pack_token_pairs(const at::BFloat16* const* rows, int64_t pairs, int64_t L,
+                                             uint16_t* packed) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int64_t j = 0; j < pairs; ++j) {
+    const at::BFloat16* r0 = rows[2 * j];
+    const at::BFloat16* r1 = rows[2 * j + 1];
+    uint16_t* dst = packed + j * 2 * L;
+    for (int64_t d = 0; d < L; d += 32) {
+      const __m512i a = _mm512_loadu_si512(r0 + d), b = _mm512_loadu_si512(r1 + d);
+      _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// dst[n][i] = bf16(src[n][i]) for n < rows, i < stride (a multiple of 32): the tile's probabilities,
+// already bf16 values.
+MLA_TARGET_BF16 inline void probs_to_bf16(const float* src, int64_t rows, int64_t stride, at::BFloat16* dst) {
+  for (int64_t n = 0; n < rows; ++n) {
+    for (int64_t i = n * stride; i < (n + 1) * stride; i += 32) {
+      const __m512 lo = _mm512_loadu_ps(src + i), hi = _mm512_loadu_ps(src + i + 16);
+      _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
 // bf16 tile engine (one per thread). Needs unit-stride cached rows and L, R multiples of 32;
 // queries are the bf16 inputs themselves [N, L] / [N, R] (the scale is applied to the fp32 scores).
 class Bf16DotTiles {
@@ -374,11 +413,8 @@ class Bf16DotTiles {
     const int64_t N = g_.N, L = g_.L;
     const int64_t pairs = (nt + 1) / 2;
     if (nt % 2 == 1) lat_[nt] = zeros_.data();  // the odd token's partner: weight 0 and finite
-    pack_pairs(pairs);
-    for (int64_t n = 0; n < N; ++n) {
-      const __m512 lo = _mm512_loadu_ps(probs + n * kTile), hi = _mm512_loadu_ps(probs + n * kTile + 16);
-      _mm512_storeu_si512(probs16_.data() + n * kTile, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    pack_token_pairs(lat_, pairs, L, packed_.data());
+    probs_to_bf16(probs, N, kTile, probs16_.data());
     const int32_t* pp = reinterpret_cast<const int32_t*>(probs16_.data());
     // Dim blocks outer: the block's slice of the packed tile (pairs x 256 bytes) stays in L1 for all
     // heads. L % 32 == 0, so the blocks are 64 dims, then at most one of 32.
@@ -409,25 +445,6 @@ class Bf16DotTiles {
   }
 
  private:
-  // packed_[j][d] = (latent[2j][d], latent[2j+1][d]) as one dword. Per 32 dims: a qword permute
-  // [0,4,1,5,2,6,3,7] puts dims 4k..4k+3 and 16+4k..16+4k+3 in 128-bit lane k, so the in-lane
-  // 16-bit unpacks yield dims 0..15 (lo) and 16..31 (hi) in order.
-  MLA_TARGET_BF16 void pack_pairs(int64_t pairs) {
-    const int64_t L = g_.L;
-    const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
-    for (int64_t j = 0; j < pairs; ++j) {
-      const at::BFloat16* r0 = lat_[2 * j];
-      const at::BFloat16* r1 = lat_[2 * j + 1];
-      uint16_t* dst = packed_.data() + j * 2 * L;
-      for (int64_t d = 0; d < L; d += 32) {
-        const __m512i a = _mm512_permutexvar_epi64(order, _mm512_loadu_si512(r0 + d));
-        const __m512i b = _mm512_permutexvar_epi64(order, _mm512_loadu_si512(r1 + d));
-        _mm512_storeu_si512(dst + 2 * d, _mm512_unpacklo_epi16(a, b));
-        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_unpackhi_epi16(a, b));
-      }
-    }
-  }
-
   Geometry g_;
   std::vector<uint16_t> packed_;
   std::vector<at::BFloat16> probs16_, zeros_;
@@ -435,6 +452,118 @@ class Bf16DotTiles {
   const at::BFloat16* pe_[kTile];
 };
 
+// ------------------------------------------------------------------------------- AMX engine
+#if defined(MLA_AMX)
+
+// AMX tile engine (one per thread; releases the tile state when the thread's work ends). Needs
+// unit-stride cached rows and L, R multiples of 32. The scores are computed transposed,
+// S^T[tokens, heads] = rows . Q^T, so the cached rows are brgemm's A matrix read in place when the
+// tile's rows are equally spaced (consecutive rows of a block; latent and rope dims side by side, as
+// in vLLM's [.., L + R] pool, make it one product over L + R dims) and only the query is packed to
+// the VNNI layout, once per unit. Other tiles (across blocks, sparse index lists, the tail of a
+// unit) are copied into a [kTile, L + R] tile first. Heads are padded to a multiple of 16 (one AMX
+// tile's columns) with zero queries and token counts to a multiple of 16 (its rows) with zero rows,
+// so the kernel shapes (oneDNN JIT-compiles one per shape and thread, then caches it) stay few.
+class AmxTiles {
+ public:
+  using Query = at::BFloat16;
+  static constexpr int64_t kTile = 64;
+  static constexpr int64_t kRows = 16;
+  static constexpr bool kRoundsProbs = true;
+
+  static bool serves(const Geometry& g) {
+    return g.ks3 == 1 && g.vs3 == 1 && g.L % 32 == 0 && g.R % 32 == 0 && amx_engine_enabled();
+  }
+
+  explicit AmxTiles(const Geometry& g)
+      : g_(g),
+        D_(g.L + g.R),
+        NP_((g.N + 15) / 16 * 16),
+        q_(D_ * NP_, at::BFloat16(0.f)),
+        rows_(kTile * D_),
+        st_(kTile * NP_),
+        packed_(kTile * g.L),
+        probs16_(NP_ * kTile, at::BFloat16(0.f)) {}
+  ~AmxTiles() { at::native::cpublas::brgemm_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+
+  void stage(int64_t i, const at::BFloat16* latent, const at::BFloat16* k_pe) {
+    lat_[i] = latent;
+    pe_[i] = k_pe;
+  }
+
+  // scores[n * kTile + t] = q[n] . row[t] (unscaled), t < nt; 0 past nt.
+  void scores(const at::BFloat16* ql, const at::BFloat16* qp, int64_t nt, float* scores) {
+    const int64_t N = g_.N, L = g_.L, R = g_.R;
+    if (ql != packed_ql_ || qp != packed_qp_) pack_query(ql, qp);
+    const int64_t M = (nt + kRows - 1) / kRows * kRows;
+    const std::ptrdiff_t lat_step = nt == M ? equal_row_step(lat_, nt, L) : 0;
+    const std::ptrdiff_t pe_step = lat_step != 0 ? equal_row_step(pe_, nt, R) : 0;
+    const at::BFloat16* q_pe_part = q_.data() + L * NP_;  // the packed rows of the rope dims
+    if (lat_step >= D_ && pe_step == lat_step && pe_[0] == lat_[0] + L) {
+      // [latent | rope] rows: one product over L + R dims.
+      at::native::cpublas::brgemm(M, NP_, D_, lat_step, NP_, NP_, false, lat_[0], q_.data(), st_.data());
+      rows_are_copied_ = false;
+    } else if (lat_step != 0 && pe_step != 0) {
+      at::native::cpublas::brgemm(M, NP_, L, lat_step, NP_, NP_, false, lat_[0], q_.data(), st_.data());
+      at::native::cpublas::brgemm(M, NP_, R, pe_step, NP_, NP_, true, pe_[0], q_pe_part, st_.data());
+      rows_are_copied_ = false;
+    } else {
+      for (int64_t i = 0; i < nt; ++i) {
+        at::BFloat16* row = rows_.data() + i * D_;
+        std::memcpy(row, lat_[i], L * sizeof(at::BFloat16));
+        std::memcpy(row + L, pe_[i], R * sizeof(at::BFloat16));
+      }
+      std::fill(rows_.data() + nt * D_, rows_.data() + M * D_, at::BFloat16(0.f));
+      at::native::cpublas::brgemm(M, NP_, D_, D_, NP_, NP_, false, rows_.data(), q_.data(), st_.data());
+      rows_are_copied_ = true;
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      float* out = scores + n * kTile;
+      for (int64_t t = 0; t < nt; ++t) out[t] = st_[t * NP_ + n];
+      std::fill(out + nt, out + kTile, 0.f);
+    }
+  }
+
+  // acc[n] += sum_t probs[n * kTile + t] * latent[t]; probs are bf16 values, zero past nt (rows past
+  // nt exist only in the copied tile, as zero rows).
+  void accumulate(const float* probs, int64_t nt, float* acc) {
+    const int64_t N = g_.N, L = g_.L;
+    const int64_t K = (nt + kRows - 1) / kRows * kRows;  // even: whole token pairs
+    if (rows_are_copied_) {
+      for (int64_t i = 0; i < K; ++i) lat_[i] = rows_.data() + i * D_;
+    }
+    pack_token_pairs(lat_, K / 2, L, packed_.data());
+    probs_to_bf16(probs, N, kTile, probs16_.data());  // padded heads keep their zero rows
+    at::native::cpublas::brgemm(N, L, K, kTile, L, L, true, probs16_.data(),
+                                reinterpret_cast<const at::BFloat16*>(packed_.data()), acc);
+  }
+
+ private:
+  // q_[p][n][e] = concat(ql[n], qp[n])[2p + e]: the VNNI layout of Q^T [L + R, NP_]; padded heads
+  // stay zero.
+  void pack_query(const at::BFloat16* ql, const at::BFloat16* qp) {
+    pack_transposed_vnni(ql, g_.N, g_.L, g_.L, NP_, q_.data());
+    pack_transposed_vnni(qp, g_.N, g_.R, g_.R, NP_, q_.data() + g_.L * NP_);
+    packed_ql_ = ql;
+    packed_qp_ = qp;
+  }
+
+  Geometry g_;
+  int64_t D_, NP_;
+  std::vector<at::BFloat16> q_, rows_;
+  std::vector<float> st_;
+  std::vector<uint16_t> packed_;
+  std::vector<at::BFloat16> probs16_;
+  const at::BFloat16* packed_ql_ = nullptr;
+  const at::BFloat16* packed_qp_ = nullptr;
+  bool rows_are_copied_ = false;
+  const at::BFloat16* lat_[kTile];
+  const at::BFloat16* pe_[kTile];
+};
+
+#endif  // MLA_AMX
 #endif  // MLA_BF16_DOT
 
 // --------------------------------------------------------------------------------- driver
@@ -493,14 +622,24 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   const T* vc = value_cache.const_data_ptr<T>();
   const float scale = static_cast<float>(softmax_scale);
 
-  // Queries in the engine's input type (B*N*(L+R) values: negligible).
-  std::vector<Query> ql(B * N * L), qp(B * N * R);
-  {
-    const at::Tensor qlc = q_latent.contiguous(), qpc = q_pe.contiguous();
+  // Queries in the engine's input type, contiguous: the inputs themselves where they already are,
+  // else converted (B*N*(L+R) values: negligible).
+  const at::Tensor qlc = q_latent.contiguous(), qpc = q_pe.contiguous();
+  std::vector<Query> ql_converted, qp_converted;
+  const Query* ql_all;
+  const Query* qp_all;
+  if constexpr (std::is_same_v<T, Query>) {
+    ql_all = qlc.const_data_ptr<T>();
+    qp_all = qpc.const_data_ptr<T>();
+  } else {
+    ql_converted.resize(B * N * L);
+    qp_converted.resize(B * N * R);
     const T* a = qlc.const_data_ptr<T>();
     const T* c = qpc.const_data_ptr<T>();
-    for (int64_t i = 0; i < B * N * L; ++i) ql[i] = static_cast<Query>(a[i]);
-    for (int64_t i = 0; i < B * N * R; ++i) qp[i] = static_cast<Query>(c[i]);
+    for (int64_t i = 0; i < B * N * L; ++i) ql_converted[i] = static_cast<Query>(a[i]);
+    for (int64_t i = 0; i < B * N * R; ++i) qp_converted[i] = static_cast<Query>(c[i]);
+    ql_all = ql_converted.data();
+    qp_all = qp_converted.data();
   }
 
   // Split-K: enough units for every thread to get several (load balance across mixed lengths),
@@ -521,10 +660,12 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   first_unit[B] = static_cast<int64_t>(units.size());
   const int64_t U = first_unit[B];
 
-  // Per unit and head: running max, running sum, unnormalised accumulator [L].
-  std::vector<float> m_part(U * N, kNegInf), l_part(U * N, 0.f);
-  at::Tensor acc_buf = at::empty({std::max<int64_t>(U, 1), N, L}, q_latent.options().dtype(at::kFloat));
-  float* acc_all = acc_buf.data_ptr<float>();
+  // Per unit and head: running max, running sum, unnormalised accumulator [L] (one allocation; every
+  // unit initialises its own part).
+  const std::unique_ptr<float[]> partials(new float[U * N * (L + 2)]);
+  float* const acc_all = partials.get();
+  float* const m_all = acc_all + U * N * L;
+  float* const l_all = m_all + U * N;
 
   // Requests the cache lines of entries [t0, t1) of a row (the next tile) while the current one
   // is computed: the blocks are scattered over the pool, so the hardware prefetcher loses the
@@ -551,10 +692,12 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
       const Unit unit = units[u];
       float* acc = acc_all + u * N * L;
       std::fill(acc, acc + N * L, 0.f);
-      float* m = m_part.data() + u * N;
-      float* l = l_part.data() + u * N;
-      const Query* qlb = ql.data() + unit.row * N * L;
-      const Query* qpb = qp.data() + unit.row * N * R;
+      float* m = m_all + u * N;
+      float* l = l_all + u * N;
+      std::fill(m, m + N, kNegInf);
+      std::fill(l, l + N, 0.f);
+      const Query* qlb = ql_all + unit.row * N * L;
+      const Query* qpb = qp_all + unit.row * N * R;
       int64_t t = unit.t0;
       while (t < unit.t1) {
         // Gather up to kTile entries, a run of one block at a time; an entry whose block id is out
@@ -632,14 +775,14 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
       T* dst = o + bn * L;
       float mx = kNegInf;
       for (int64_t u = first_unit[b]; u < first_unit[b + 1]; ++u)
-        if (l_part[u * N + n] > 0.f) mx = std::max(mx, m_part[u * N + n]);
+        if (l_all[u * N + n] > 0.f) mx = std::max(mx, m_all[u * N + n]);
       std::fill(merged.begin(), merged.end(), 0.f);
       float denom = 0.f;
       if (mx != kNegInf) {
         for (int64_t u = first_unit[b]; u < first_unit[b + 1]; ++u) {
-          const float lu = l_part[u * N + n];
+          const float lu = l_all[u * N + n];
           if (!(lu > 0.f)) continue;
-          const float w = std::exp(m_part[u * N + n] - mx);
+          const float w = std::exp(m_all[u * N + n] - mx);
           denom += w * lu;
           const float* src = acc_all + (u * N + n) * L;
           const fVec wv(w);
@@ -658,28 +801,53 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   });
 }
 
-// The output of one attention call: the dtype dispatch and the choice of tile engine.
+// The tile engine serving a call: the first that can, in the order fastest first.
+enum class Engine { kAmx, kBf16Dot, kF32 };
+
+Engine choose_engine(at::ScalarType dtype, const Geometry& geo) {
+  if (dtype == at::kBFloat16) {
+#if defined(MLA_AMX)
+    if (AmxTiles::serves(geo)) return Engine::kAmx;
+#endif
+#if defined(MLA_BF16_DOT)
+    if (Bf16DotTiles::serves(geo)) return Engine::kBf16Dot;
+#endif
+  }
+  return Engine::kF32;
+}
+
+Geometry geometry_of(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  return {q_latent.size(1), q_latent.size(2), value_cache.size(3), key_cache.stride(3), value_cache.stride(3)};
+}
+
+// The output of one attention call: the dtype dispatch and the tile engine.
 template <typename Positions>
 at::Tensor attend(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const Positions& positions, const std::vector<int64_t>& entries,
                   double softmax_scale) {
   at::Tensor out = at::empty(q_latent.sizes(), q_latent.options());
   if (q_latent.size(0) == 0 || out.numel() == 0) return out;
+  [[maybe_unused]] const Engine engine = choose_engine(q_latent.scalar_type(), geometry_of(q_latent, key_cache, value_cache));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_latent.scalar_type(), "mla_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "mla native attention kernels: float64 is served by the reference kernel");
     } else {
-#if defined(MLA_BF16_DOT)
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        const Geometry geo{q_latent.size(1), q_latent.size(2), q_pe.size(2), key_cache.stride(3),
-                           value_cache.stride(3)};
-        if (Bf16DotTiles::serves(geo)) {
+#if defined(MLA_AMX)
+        if (engine == Engine::kAmx) {
+          attention_kernel<scalar_t, AmxTiles>(q_latent, q_pe, key_cache, value_cache, positions, entries,
+                                               softmax_scale, out);
+          return;
+        }
+#endif
+#if defined(MLA_BF16_DOT)
+        if (engine == Engine::kBf16Dot) {
           attention_kernel<scalar_t, Bf16DotTiles>(q_latent, q_pe, key_cache, value_cache, positions, entries,
                                                    softmax_scale, out);
           return;
         }
-      }
 #endif
+      }
       attention_kernel<scalar_t, F32Tiles<scalar_t>>(q_latent, q_pe, key_cache, value_cache, positions, entries,
                                                      softmax_scale, out);
     }
@@ -707,6 +875,18 @@ std::vector<int64_t> check_index_values(const IndexView& indices, int64_t num_to
 }
 
 }  // namespace
+
+std::string attention_engine(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  switch (choose_engine(q_latent.scalar_type(), geometry_of(q_latent, key_cache, value_cache))) {
+    case Engine::kAmx:
+      return "amx";
+    case Engine::kBf16Dot:
+      return "avx512_bf16";
+    case Engine::kF32:
+      break;
+  }
+  return "fp32";
+}
 
 at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,

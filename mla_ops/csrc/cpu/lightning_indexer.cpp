@@ -10,12 +10,17 @@
 // weights) runs on a key tile's dot products while they are in L1 and writes each token's score
 // row into a buffer of the call, which holds groups of tokens at a time to bound its size.
 //
+// On CPUs where oneDNN runs AMX tiles, bf16 keys are scored on AMX instead (AmxKeyScores, amx.h):
+// S^T[keys, tokens x heads] = keys . Q^T per tile of 32 keys, the keys read in place when they are
+// consecutive rows of a block, then the head reduction per key with lanes over the heads.
+//
 // Top-k: a token's scores become 64-bit keys (the score's bits mapped so that unsigned order is
 // descending score, NaN above every number and -0 equal to +0; then the position) whose ascending
 // order is exactly the op's order: descending score, equal scores by ascending position (the
 // reference's stable sort). std::nth_element selects the first k keys, std::sort orders them.
 //
 // Only positions 0..p_t of a token's own request are read, all inside validated blocks.
+#include "amx.h"
 #include "checks.h"
 #include "ops.h"
 #include "score_blocks.h"
@@ -24,6 +29,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -104,6 +110,50 @@ inline uint64_t order_key(float score, int64_t position) {
   return (static_cast<uint64_t>(descending) << 32) | static_cast<uint32_t>(position);
 }
 
+#if defined(MLA_AMX)
+// The dot products of a work item's query rows (tokens x heads, contiguous [rows, D] bf16) with
+// tiles of up to kKeys keys on AMX tiles (one per thread; releases the tile state at the end).
+// Rows are padded to a multiple of 16 (a tile's columns) with zero queries, keys to a multiple of 16
+// (a tile's rows) with zero keys: few kernel shapes for oneDNN to compile.
+class AmxKeyScores {
+ public:
+  static constexpr int64_t kKeys = 32;
+
+  AmxKeyScores(int64_t max_rows, int64_t D)
+      : D_(D), q_(D * round16(max_rows)), keys_(kKeys * D), dots_(kKeys * round16(max_rows)) {}
+  ~AmxKeyScores() { at::native::cpublas::brgemm_release(); }
+  AmxKeyScores(const AmxKeyScores&) = delete;
+  AmxKeyScores& operator=(const AmxKeyScores&) = delete;
+
+  void set_queries(const at::BFloat16* q, int64_t rows) {
+    ld_ = round16(rows);
+    std::fill(q_.begin(), q_.begin() + D_ * ld_, at::BFloat16(0.f));
+    pack_transposed_vnni(q, rows, D_, D_, ld_, q_.data());
+  }
+
+  // dots[i * ld() + r] = key[i] . query row r, i < nk <= kKeys.
+  const float* dots(const at::BFloat16* const* keys, int64_t nk) {
+    const int64_t M = round16(nk);
+    const std::ptrdiff_t step = nk == M ? equal_row_step(keys, nk, D_) : 0;
+    const at::BFloat16* a = keys[0];
+    if (step == 0) {
+      for (int64_t i = 0; i < nk; ++i) std::memcpy(keys_.data() + i * D_, keys[i], D_ * sizeof(at::BFloat16));
+      std::fill(keys_.data() + nk * D_, keys_.data() + M * D_, at::BFloat16(0.f));
+      a = keys_.data();
+    }
+    at::native::cpublas::brgemm(M, ld_, D_, step == 0 ? D_ : step, ld_, ld_, false, a, q_.data(), dots_.data());
+    return dots_.data();
+  }
+  int64_t ld() const { return ld_; }
+
+ private:
+  static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+  int64_t D_, ld_ = 0;
+  std::vector<at::BFloat16> q_, keys_;
+  std::vector<float> dots_;
+};
+#endif  // MLA_AMX
+
 template <typename T>
 void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache, const IndexView& table,
                     int64_t maxb, const std::vector<SparseRequest>& requests, int64_t topk, float scale,
@@ -117,6 +167,9 @@ void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Te
   const T* kc = k_cache.const_data_ptr<T>();
   const T* qd = q.const_data_ptr<T>();               // contiguous [T, H, D]
   const float* w = weights.const_data_ptr<float>();  // contiguous fp32 [T, H]
+#if defined(MLA_AMX)
+  const bool use_amx = std::is_same_v<T, at::BFloat16> && ks3 == 1 && D % 32 == 0 && amx_engine_enabled();
+#endif
 
   std::vector<TokenTile> tiles;
   for (int64_t b = 0; b < static_cast<int64_t>(requests.size()); ++b) {
@@ -148,10 +201,56 @@ void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Te
       std::vector<const float*> qrows(kTileTokens * H);
       const float* krows[kKeyTile];
       const fVec sv(scale), zero(0.f);
+#if defined(MLA_AMX)
+      std::optional<AmxKeyScores> amx;
+      // score[t][j] = sum_h w[t][h] * relu(scale * dots[j][t * H + h]) for the item's keys.
+      auto score_keys_on_amx = [&](AmxKeyScores& engine, const TokenTile& tile, const WorkItem& item,
+                                   float* tile_scores) {
+        const at::BFloat16* keys[AmxKeyScores::kKeys];
+        const int64_t width = tile.width();
+        for (int64_t j = item.j0; j < item.j1; j += AmxKeyScores::kKeys) {
+          const int64_t nk = std::min(AmxKeyScores::kKeys, item.j1 - j);
+          for (int64_t i = 0; i < nk; ++i) {
+            const int64_t position = j + i;  // < seq_len <= maxb * bs, in a validated block
+            const int64_t id = table[tile.request * maxb + position / bs];
+            keys[i] = reinterpret_cast<const at::BFloat16*>(kc) + id * ks0 + (position % bs) * ks1;
+          }
+          const float* dots = engine.dots(keys, nk);
+          const int64_t ld = engine.ld();
+          for (int64_t tt = 0; tt < tile.count; ++tt) {
+            const float* wt = w + (tile.first + tt) * H;
+            for (int64_t i = 0; i < nk; ++i) {
+              const float* row = dots + i * ld + tt * H;
+              fVec acc(0.f);
+              int64_t h = 0;
+              // at::vec::maximum propagates NaN, as torch.relu does
+              for (; h + W <= H; h += W)
+                acc = at::vec::fmadd(fVec::loadu(wt + h), at::vec::maximum(fVec::loadu(row + h) * sv, zero), acc);
+              float score = hsum(acc);
+              for (; h < H; ++h) {
+                const float x = row[h] * scale;
+                score += wt[h] * (x < 0.f ? 0.f : x);  // NaN stays NaN
+              }
+              tile_scores[tt * width + j + i] = score;
+            }
+          }
+        }
+      };
+#endif
       for (int64_t it = begin; it < end; ++it) {
         const WorkItem item = items[it];
         const TokenTile& tile = tiles[item.tile];
         const int64_t rows = tile.count * H, width = tile.width();
+#if defined(MLA_AMX)
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (use_amx) {
+            if (!amx) amx.emplace(kTileTokens * H, D);
+            amx->set_queries(qd + tile.first * H * D, rows);
+            score_keys_on_amx(*amx, tile, item, scores.data() + offset[item.tile - g0]);
+            continue;
+          }
+        }
+#endif
         for (int64_t r = 0; r < rows; ++r) {
           const T* src = qd + (tile.first * H + r) * D;
           if constexpr (kQueriesInPlace) {

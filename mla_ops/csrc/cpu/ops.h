@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <vector>
@@ -20,6 +21,10 @@ inline namespace CPU_CAPABILITY {
 at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double softmax_scale, bool validate);
+
+// The tile engine decode_attention / sparse_mla_attention use for these operands (after their checks):
+// "amx" (bf16 on AMX tiles through oneDNN's brgemm), "avx512_bf16" (vdpbf16ps) or "fp32" (fp32 FMA).
+std::string attention_engine(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache);
 
 // Sparse MLA (lightning_indexer.cpp, decode_attention.cpp). Requests as the Python ops lay them out
 // (mla_ops/ops/sparse_attention.py): block_tables [B, maxb], seq_lens [B], query_start_loc [B + 1].
