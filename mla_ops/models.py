@@ -58,7 +58,8 @@ def lite_attn_config(**overrides):
 def family_attn_config(model_type: str = "deepseek_v2", **overrides):
     """DeepSeek-V2-Lite's attention dims (hidden 2048, 16 heads, L 512, R 64, P 128, V 128) on the config
     of another transformers MLA family (`model_type`), 2 layers with dense MLPs, vocab 1024, each
-    family's own RoPE defaults; `deepseek_v2` is `lite_attn_config()`."""
+    family's own RoPE defaults (a sparse family's own indexer: DeepSeek-V3.2's 64 x 128, top-2048, and a
+    query LoRA of rank 1536); `deepseek_v2` is `lite_attn_config()`."""
     if model_type == "deepseek_v2":
         return lite_attn_config(**overrides)
     from transformers import AutoConfig
@@ -67,6 +68,10 @@ def family_attn_config(model_type: str = "deepseek_v2", **overrides):
                num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=2,
                max_position_embeddings=8192 + 64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if getattr(AutoConfig.for_model(model_type), "index_topk", None) is not None:
+        # a sparse-attention family: its indexer reads the query LoRA's output, so the query has one
+        # (DeepSeek-V3.2's rank)
+        cfg["q_lora_rank"] = 1536
     cfg.update(overrides)
     return AutoConfig.for_model(model_type, **cfg)
 

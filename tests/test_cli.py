@@ -306,6 +306,13 @@ def test_bench_ops_and_decode_quick(tmp_path, capsys):
     minicpm3 = json.loads((tmp_path / "m.json").read_text())
     assert minicpm3["meta"]["family"] == "minicpm3"
     assert {r["variant"] for r in minicpm3["model_decode"]} == {"stock", "dense", "paged"}
+    # a sparse family: the caches hold the indexer keys too (bf16 latent 512 + rope 64 + indexer key 128)
+    assert main(["bench", "decode", "--contexts", "64", "--family", "deepseek_v32", "--heads", "4",
+                 "--json", str(tmp_path / "v32.json")]) == 0
+    v32 = json.loads((tmp_path / "v32.json").read_text())
+    assert v32["meta"]["family"] == "deepseek_v32" and v32["meta"]["heads"] == 4
+    stock = next(r for r in v32["model_decode"] if r["variant"] == "stock")
+    assert stock["cache_bytes_per_token_per_layer"] == 2 * (512 + 64 + 128)
 
 
 def test_info(capsys):

@@ -28,14 +28,25 @@ from .timing import interleaved_medians, median_ratio
 CONTEXTS = (512, 2048, 4096, 8192)
 
 
-def _filled_dynamic_cache(config, shapes, dtype, generator):
+def _indexed_layers(config) -> list[bool]:
+    """Which layers run their own sparse-attention indexer (and cache its keys): none without
+    `index_topk`; with it every layer but the "shared" ones of `indexer_types` (GLM-5)."""
+    if getattr(config, "index_topk", None) is None:
+        return [False] * config.num_hidden_layers
+    types = getattr(config, "indexer_types", None) or ()
+    return [i >= len(types) or types[i] != "shared" for i in range(config.num_hidden_layers)]
+
+
+def _filled_dynamic_cache(config, shapes, dtype, generator, tokens):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
-    for layer in range(config.num_hidden_layers):
+    for layer, indexed in enumerate(_indexed_layers(config)):
         k_shape, v_shape = shapes
         cache.update(torch.randn(*k_shape, generator=generator).to(dtype),
                      torch.randn(*v_shape, generator=generator).to(dtype), layer)
+        if indexed:  # the indexer keys [B, T, index_head_dim] stock caches beside the layer's KV
+            cache.update_indexer(torch.randn(1, tokens, config.index_head_dim, generator=generator).to(dtype), layer)
     return cache
 
 
@@ -47,15 +58,21 @@ def _filled_paged_cache(config, tokens, dtype, generator, block_size):
         latent = torch.randn(tokens, 1, config.kv_lora_rank, generator=generator).to(dtype)
         k_pe = torch.randn(tokens, 1, config.qk_rope_head_dim, generator=generator).to(dtype)
         torch.ops.mla.scatter_pa_kv_cache(latent, k_pe, layer.latent_pool, layer.k_pe_pool, plan.slot_mapping)
+        if layer.indexer_keys is not None:
+            keys = torch.randn(tokens, 1, config.index_head_dim, generator=generator).to(dtype)
+            torch.ops.mla.scatter_pa_cache(keys, layer.indexer_pool, plan.slot_mapping)
     cache.end_forward()
     return cache
 
 
 def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, min_run_time=0.3,
-                         block_size=64, seed=0, family: str = "deepseek_v2") -> list[dict]:
+                         block_size=64, seed=0, family: str = "deepseek_v2", heads: int = 16) -> list[dict]:
     """Whole-model decode step at each context: stock vs cache="dense" vs cache="paged", for a 2-layer
-    model of `family` (a transformers MLA model_type) with DeepSeek-V2-Lite's attention dims."""
-    config = family_attn_config(family)
+    model of `family` (a transformers MLA model_type) with DeepSeek-V2-Lite's attention dims and `heads`
+    attention heads (16 as V2-Lite; DeepSeek-V3.2 has 128). For a sparse family (DeepSeek-V3.2, GLM-5)
+    the caches hold the indexer keys too, stock masks its dense attention down to the indexer's top-k
+    (its own index_topk, 2048 by default), and the paged mode runs the indexer and the sparse attention."""
+    config = family_attn_config(family, num_attention_heads=heads, num_key_value_heads=heads)
     stock = build_model(config, dtype, "sdpa", seed=seed)
     dense, paged = copy.deepcopy(stock), copy.deepcopy(stock)
     handles = [apply(dense), apply(paged, cache="paged")]
@@ -68,8 +85,8 @@ def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, m
             dense_shapes = ((1, heads, tokens, config.qk_nope_head_dim + config.qk_rope_head_dim),
                             (1, heads, tokens, config.v_head_dim))
             caches = {
-                "stock": (stock, _filled_dynamic_cache(config, latent_shapes, dtype, g)),
-                "dense": (dense, _filled_dynamic_cache(config, dense_shapes, dtype, g)),
+                "stock": (stock, _filled_dynamic_cache(config, latent_shapes, dtype, g, tokens)),
+                "dense": (dense, _filled_dynamic_cache(config, dense_shapes, dtype, g, tokens)),
                 "paged": (paged, _filled_paged_cache(config, tokens, dtype, g, block_size)),
             }
             token = torch.tensor([[7]])

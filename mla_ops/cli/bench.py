@@ -174,6 +174,8 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", default="deepseek_v2",
                    help="the transformers MLA model_type to measure (default deepseek_v2; `mla-ops info` lists "
                         "them): a 2-layer model of that family with DeepSeek-V2-Lite's attention dims")
+    p.add_argument("--heads", type=int_at_least(1), default=16,
+                   help="attention heads of that model (default 16, DeepSeek-V2-Lite's; DeepSeek-V3.2 has 128)")
 
 
 def _run_decode(args, meta: dict) -> dict:
@@ -182,10 +184,10 @@ def _run_decode(args, meta: dict) -> dict:
 
     contexts = [512, 2048] if args.quick else args.contexts
     rounds = 2 if args.quick else 3
-    model_rows = decode.measure_model_decode(contexts, rounds=rounds, family=args.family)
-    meta["family"] = args.family
-    print(f"\nwhole-model decode, ms per token ({args.family}, V2-Lite attention dims, bf16): stock transformers "
-          f"vs cache=dense vs cache=paged")
+    model_rows = decode.measure_model_decode(contexts, rounds=rounds, family=args.family, heads=args.heads)
+    meta.update(family=args.family, heads=args.heads)
+    print(f"\nwhole-model decode, ms per token ({args.family}, {args.heads} heads, V2-Lite's other attention dims, "
+          f"bf16): stock transformers vs cache=dense vs cache=paged")
     print(format_table(model_rows, [("context", "context"), ("variant", "variant"),
                                     ("ms_per_token", "ms/token"), ("stock_over_variant", "stock / this"),
                                     ("cache_bytes_per_token_per_layer", "cache B/token/layer")]))

@@ -429,8 +429,10 @@ class MLAPagedCache(Cache):
 
 def cache_bytes_per_token_per_layer(cache, tokens: int) -> float:
     """Cache bytes per token and layer: an MLAPagedCache's assigned blocks (its memory_report), or
-    everything a dense transformers cache holds for `tokens` tokens."""
+    everything a dense transformers cache holds for `tokens` tokens (a sparse family's indexer keys
+    included)."""
     if isinstance(cache, MLAPagedCache):
         return cache.memory_report()["bytes_per_token_per_layer"]
-    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    held = sum(layer.keys.nbytes + layer.values.nbytes + getattr(getattr(layer, "indexer_keys", None), "nbytes", 0)
+               for layer in cache.layers)
     return held / tokens / len(cache.layers)
