@@ -188,7 +188,10 @@ def test_selftest_on_the_standin_npu():
     which the stand-in's CPU kernels lack), and graph mode cannot compile under a dispatch mode.
     Every op of the case database runs on the npu device (the npu kernels where they serve, the
     reference kernels' sync-free paths elsewhere) against the reference kernel on the CPU and the
-    oracle; the host time is reported, not judged."""
+    oracle; every npu kernel is bound; kv_prolog, the decode attention, both scatters and both other
+    prologs are captured (the stand-in's graph refuses a host synchronisation) and replayed with new
+    inputs; the host time is reported, not judged."""
+    from mla_ops.backends.npu import NPU
     from mla_ops.testing.cases import CASES
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STANDIN), str(ROOT)]), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
@@ -208,7 +211,19 @@ def test_selftest_on_the_standin_npu():
         for name in cases.selftest:
             assert " PASS " in row(f"{op} {name} bf16"), row(f"{op} {name} bf16")
     assert "PASS     npu (" in row("kv_prolog v2lite bf16")
+    for op in sorted(NPU.kernels):
+        assert " PASS " in row(f"bound on PrivateUse1: {op}"), row(f"bound on PrivateUse1: {op}")
+    for op in ("mla_decode_attention", "scatter_pa_kv_cache", "scatter_pa_cache", "q_prolog", "latent_kv_prolog"):
+        check = row(f"{op} graph capture + replay")
+        assert " PASS " in check and "npu (torch_npu" in check, check
+    decode_row = row("mla_decode_attention v2lite-block-128 bf16")
+    assert "PASS     npu (torch_npu.npu_fused_infer_attention_score_v2" in decode_row, decode_row
+    # this sample's pool holds fewer blocks than batch x table width: the reference kernel serves it
     assert "PASS     reference;" in row("mla_decode_attention v2lite-ragged bf16")
+    assert "PASS     npu (torch_npu.npu_scatter_nd_update_" in row("scatter_pa_kv_cache padding bf16")
+    assert "PASS     npu (torch_npu.npu_scatter_nd_update_" in row("scatter_pa_cache v2lite fp16")
+    assert "PASS     npu (torch_npu composite" in row("q_prolog v2-lora-decode bf16")
+    assert "PASS     npu (torch_npu composite" in row("latent_kv_prolog v2lite bf16")
     assert "equal to torch_npu.npu_gather_pa_kv_cache" in row("gather_pa_kv_cache cumsum-offset-uncovered-rows bf16")
     assert " INFO " in row("host time per kv_prolog call")
     assert "fused" in row("kv_prolog path T=16 bf16 half") and "baseline" in row("kv_prolog path T=17 bf16 half")
@@ -243,8 +258,12 @@ def run_ascend(code: str) -> str:
 
 
 def test_ascend_adapter_keeps_vllm_ascends_decode_while_no_npu_kernel_serves_it():
+    """Without the npu decode kernel (taken out of the backend here) the automatic route stays off."""
     out = run_ascend("""
-        from mla_ops.backends import candidates
+        from mla_ops import backends
+        from mla_ops.backends import candidates, npu
+        del npu.NPU.kernels["mla_decode_attention"]
+        backends.bind()
         assert [b.name for b in candidates("mla_decode_attention", "npu")] == ["reference"]
         state = ascend.register()
         print(state)
@@ -256,7 +275,7 @@ def test_ascend_adapter_keeps_vllm_ascends_decode_while_no_npu_kernel_serves_it(
     assert "not routed" in out
 
 
-def test_ascend_adapter_routes_when_asked_or_once_an_npu_kernel_serves_the_decode():
+def test_ascend_adapter_routes_when_asked_and_not_unmeasured_by_default():
     run_ascend("""
         import os
         os.environ["MLA_OPS_VLLM_ROUTE"] = "mla-ops"
@@ -268,15 +287,15 @@ def test_ascend_adapter_routes_when_asked_or_once_an_npu_kernel_serves_the_decod
             "AscendAttentionBackend")
         assert ascend.register().endswith("(already wrapped)")
     """)
-    # an NPU kernel for the decode (here: the reference kernel declared as the npu backend's) flips the
-    # automatic decision, with no switch set
+    # the npu backend's decode kernel (torch_npu's fused infer attention) serves the op, but it has not been
+    # measured against vllm-ascend's own call on hardware: with no switch set the route stays off, saying so
     run_ascend("""
-        from mla_ops.backends import REFERENCE, candidates, npu
-        npu.NPU.kernel("mla_decode_attention")(REFERENCE.kernels["mla_decode_attention"].fn)
-        assert candidates("mla_decode_attention", "npu")[0].name == "npu"
+        from mla_ops.backends import candidates
+        assert [b.name for b in candidates("mla_decode_attention", "npu")] == ["npu", "reference"]
         state = ascend.register()
-        assert state.startswith("registered: ASCEND_MLA decode -> torch.ops.mla"), state
-        assert NPUPlatform.get_attn_backend_cls(None, mla) == ascend.ADAPTER_BACKEND
+        assert state.startswith("not routed: ASCEND_MLA decode stays vLLM's"), state
+        assert "not measured" in state and "MLA_OPS_VLLM_ROUTE=mla-ops" in state
+        assert NPUPlatform.get_attn_backend_cls(None, mla) == ascend.ASCEND_MLA
     """)
 
 
@@ -324,7 +343,7 @@ def npu_and_reference(op, kernel, args):
     assert text.startswith(f"mla.{op}: npu") and f"torch_npu.{kernel}" in text, text
     got = getattr(torch.ops.mla, op)(*on_npu(args)).cpu()
     want = getattr(torch.ops.mla, op)(*args)
-    name, call = torch_npu.SPARSE_CALLS[-1]
+    name, call = torch_npu.CALLS[-1]
     assert name == kernel, name
     return got, want, call
 """
@@ -366,7 +385,7 @@ def test_lightning_indexer_reaches_torch_npu_with_the_documented_arguments():
         args64 = args[:3] + tuple(a.long() for a in args[3:6]) + args[6:]
         got64 = torch.ops.mla.lightning_indexer(*on_npu(args64)).cpu()
         assert torch.equal(got64, got)
-        assert torch_npu.SPARSE_CALLS[-1][1]["block_table"][1] == torch.int32
+        assert torch_npu.CALLS[-1][1]["block_table"][1] == torch.int32
     """)
 
 
@@ -418,11 +437,302 @@ def test_sparse_ops_fall_back_with_the_reason_and_a_demand_is_refused(op, change
         args = make(**kwargs)
         text = mla_ops.explain({op!r}, *on_npu(args))
         assert text.startswith("mla.{op}: reference") and "not npu" in text and {reason!r} in text, text
-        calls = len(torch_npu.SPARSE_CALLS)
+        calls = len(torch_npu.CALLS)
         got = getattr(torch.ops.mla, {op!r})(*on_npu(args)).cpu()
-        assert len(torch_npu.SPARSE_CALLS) == calls  # torch_npu never called
+        assert len(torch_npu.CALLS) == calls  # torch_npu never called
         assert torch.equal(got, getattr(torch.ops.mla, {op!r})(*args))
         refused = pytest.raises(NotImplementedError, match="cannot serve this call.*" + {reason!r})
         with mla_ops.use_backend("npu"), refused:
             getattr(torch.ops.mla, {op!r})(*on_npu(args))
+    """)
+
+
+# --- paged decode attention, cache writes and prologs on torch_npu ---
+PAGED_PRELUDE = """
+import re, torch, mla_ops, torch_npu, pytest
+import run_with_standin  # the PyPTO launches stood in (kv_prolog)
+from mla_ops.backends import npu
+from mla_ops.ops.decode_attention import decode_sync_free
+from mla_ops.ops.scatter_pa_kv_cache import scatter_sync_free
+from mla_ops.testing.cases import CASES
+torch.manual_seed(0)
+def decode_args(heads=4, latent=512, rope=64, dtype=torch.bfloat16, block_size=16, seq_lens=(40, 7, 33),
+                width=4, spare_blocks=2, split_pool=False):
+    '''q_latent [B, N, L], q_pe, a cache pair of B * width + spare_blocks blocks (or split views of one
+    [NB, bs, 1, L+R] pool), tables with -1 past each row's blocks, int32 lengths, the scale.'''
+    num_blocks = len(seq_lens) * width + spare_blocks
+    perm = torch.randperm(num_blocks)
+    tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        need = -(-n // block_size)
+        tables[b, :need] = perm[used:used + need].to(torch.int32); used += need
+    if split_pool:
+        pool = torch.randn(num_blocks, block_size, 1, latent + rope).to(dtype)
+        kc, vc = pool[..., :latent], pool[..., latent:]
+    else:
+        kc = torch.randn(num_blocks, block_size, 1, latent).to(dtype)
+        vc = torch.randn(num_blocks, block_size, 1, rope).to(dtype)
+    batch = len(seq_lens)
+    return (torch.randn(batch, heads, latent).to(dtype), torch.randn(batch, heads, rope).to(dtype), kc, vc, tables,
+            torch.tensor(seq_lens, dtype=torch.int32), 0.06)
+def to_npu(t):
+    '''t on the npu; a strided view (a split pool) stays such a view of its base moved there.'''
+    if t._base is not None and not t.is_contiguous():
+        return t._base.to("npu").as_strided(t.shape, t.stride(), t.storage_offset())
+    return t.to("npu")
+def on_npu(args):
+    return tuple(to_npu(a) if isinstance(a, torch.Tensor) else a for a in args)
+def served_by_torch_npu(op, kernel, args, kwargs={}):
+    text = mla_ops.explain(op, *on_npu(args), **kwargs)
+    assert text.startswith(f"mla.{op}: npu") and f"torch_npu.{kernel}" in text, text
+    return text
+def calls_of(name, start=0):
+    return [call for called, call in torch_npu.CALLS[start:] if called == name]
+"""
+
+
+def run_paged(code: str) -> str:
+    return run(PAGED_PRELUDE + textwrap.dedent(code))
+
+
+def test_paged_ops_and_prologs_are_bound_to_the_npu_backend():
+    run_paged("""
+        from mla_ops.backends import candidates
+        for op in ("mla_decode_attention", "scatter_pa_kv_cache", "scatter_pa_cache", "q_prolog", "latent_kv_prolog"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::" + op, "PrivateUse1"), op
+            assert [b.name for b in candidates(op, "npu")] == ["npu", "reference"], op
+    """)
+
+
+def test_mla_decode_attention_reaches_torch_npu_with_the_documented_arguments():
+    """MLA form of npu_fused_infer_attention_score_v2: BNSD query [B, N, 1, 512] + query_rope [B, N, 1, 64],
+    key = value = the latent cache viewed [NB, 1, bs, 512], key_rope the k_pe cache viewed [NB, 1, bs, 64],
+    one KV head, int32 block table clamped into the pool, a host list of lengths (the table's capacity:
+    no host read of seq_lens) and seq_lens as a bool mask; the reference's result."""
+    run_paged("""
+        args = decode_args()
+        served_by_torch_npu("mla_decode_attention", "npu_fused_infer_attention_score_v2", args)
+        got = torch.ops.mla.mla_decode_attention(*on_npu(args)).cpu()
+        want = torch.ops.mla.mla_decode_attention(*args)
+        (call,) = calls_of("npu_fused_infer_attention_score_v2")
+        B, N, L = args[0].shape
+        NB, W = args[2].shape[0], args[4].shape[1]
+        assert call["input_layout"] == "BNSD" and call["sparse_mode"] == 0 and call["block_size"] == 16
+        assert call["num_query_heads"] == N and call["num_key_value_heads"] == 1 and call["softmax_scale"] == 0.06
+        assert call["query"] == ((B, N, 1, L), torch.bfloat16, True)
+        assert call["query_rope"] == ((B, N, 1, 64), torch.bfloat16, True)
+        assert call["key"] == ((NB, 1, 16, L), torch.bfloat16, True) and call["value_is_key"]
+        assert call["key_rope"] == ((NB, 1, 16, 64), torch.bfloat16, True)
+        assert call["block_table"] == ((B, W), torch.int32, True)
+        assert call["actual_seq_kvlen"] == [W * 16] * B      # a host list, from shapes only
+        assert call["atten_mask"] == ((B, 1, 1, W * 16), torch.bool, True)
+        assert call["actual_seq_qlen"] is None and call["inner_precise"] == 0 and not call["return_softmax_lse"]
+        assert got.dtype == torch.bfloat16 and got.shape == (B, N, L)
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got.float() - want.float()).abs().max()
+        # int64 tables and lengths: converted on the device, the same result
+        args64 = args[:4] + (args[4].long(), args[5].long(), args[6])
+        assert torch.equal(torch.ops.mla.mla_decode_attention(*on_npu(args64)).cpu(), got)
+        # rows the CPU kernel refuses (a length of 0, an invalid id inside a length): the reference's
+        # device path (those positions unattended, an empty row zeros)
+        tables, lens = args[4].clone(), args[5].clone()
+        lens[1] = 0
+        tables[2, 1] = 10_000
+        odd = args[:4] + (tables, lens, args[6])
+        got = torch.ops.mla.mla_decode_attention(*on_npu(odd)).cpu()
+        want = decode_sync_free(*odd)
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got.float() - want.float()).abs().max()
+        # fp16 as well
+        args16 = decode_args(dtype=torch.float16, heads=8, block_size=32, seq_lens=(90, 1), width=3)
+        got = torch.ops.mla.mla_decode_attention(*on_npu(args16)).cpu()
+        assert torch.allclose(got.float(), torch.ops.mla.mla_decode_attention(*args16).float(), atol=3e-3, rtol=3e-3)
+    """)
+
+
+def test_scatter_reaches_npu_scatter_nd_update_with_block_offset_indices():
+    """npu_scatter_nd_update_(cache, [T, 2] (block, offset) indices, [T, H, D] rows) for each cache; the
+    padding (-1) and out-of-range slots torch_npu cannot take are redirected on the device, so the caches
+    equal the reference's (bit for bit), also for split views of one pool and with no token kept."""
+    run_paged("""
+        T, L, R, NB, bs = 7, 16, 8, 6, 4
+        def caches(split=False):
+            if split:
+                pool = torch.randn(NB, bs, 1, L + R)
+                return pool[..., :L], pool[..., L:]
+            return torch.randn(NB, bs, 1, L), torch.randn(NB, bs, 1, R)
+        key, value = torch.randn(T, 1, L), torch.randn(T, 1, R)
+        slots = torch.tensor([5, 17, -1, 0, 23, -1, 9], dtype=torch.int32)
+        for split in (False, True):
+            kc, vc = caches(split)
+            args = (key, value, kc, vc, slots)
+            served_by_torch_npu("scatter_pa_kv_cache", "npu_scatter_nd_update_", args)
+            start = len(torch_npu.CALLS)
+            dev = on_npu(args)
+            torch.ops.mla.scatter_pa_kv_cache(*dev)
+            calls = calls_of("npu_scatter_nd_update_", start)
+            assert [c["input"][:2] for c in calls] == [((NB, bs, 1, L), torch.float32), ((NB, bs, 1, R), torch.float32)]
+            assert [c["indices"] for c in calls] == [((T, 2), torch.int64, True)] * 2
+            assert [c["updates"][:2] for c in calls] == [((T, 1, L), torch.float32), ((T, 1, R), torch.float32)]
+            assert calls[0]["input"][2] == (not split)  # the split views are written in place, as they are
+            want_k, want_v = kc.clone(), vc.clone()
+            torch.ops.mla.scatter_pa_kv_cache(key, value, want_k, want_v, slots)
+            assert torch.equal(dev[2].cpu(), want_k) and torch.equal(dev[3].cpu(), want_v)
+        # slots past the pool, which the CPU kernel refuses: skipped, as the reference's device path does
+        kc, vc = caches()
+        wild = torch.tensor([NB * bs, 3, -7, 2**40, 1, -1, 8])
+        dev = on_npu((key, value, kc.clone(), vc.clone(), wild))
+        torch.ops.mla.scatter_pa_kv_cache(*dev)
+        want_k, want_v = kc.clone(), vc.clone()
+        scatter_sync_free(key, value, want_k, want_v, wild)
+        assert torch.equal(dev[2].cpu(), want_k) and torch.equal(dev[3].cpu(), want_v)
+        # nothing kept: the caches stay as they were
+        dev = on_npu((key, value, kc.clone(), vc.clone(), torch.full((T,), -1)))
+        torch.ops.mla.scatter_pa_kv_cache(*dev)
+        assert torch.equal(dev[2].cpu(), kc) and torch.equal(dev[3].cpu(), vc)
+        # one pool (the indexer's key cache), bf16
+        pool = torch.randn(NB, bs, 1, 128).to(torch.bfloat16)
+        rows = torch.randn(T, 1, 128).to(torch.bfloat16)
+        served_by_torch_npu("scatter_pa_cache", "npu_scatter_nd_update_", (rows, pool, slots))
+        start = len(torch_npu.CALLS)
+        dev = on_npu((rows, pool.clone(), slots))
+        torch.ops.mla.scatter_pa_cache(*dev)
+        assert len(calls_of("npu_scatter_nd_update_", start)) == 1
+        want = pool.clone()
+        torch.ops.mla.scatter_pa_cache(rows, want, slots)
+        assert torch.equal(dev[1].cpu(), want)
+    """)
+
+
+def test_prologs_are_torch_npu_composites_and_say_why_not_npu_mla_prolog():
+    """q_prolog / latent_kv_prolog: F.linear + npu_rms_norm + RoPE, with the reason torch_npu's
+    npu_mla_prolog_v3 cannot serve them in explain(); the reference's result; latent_kv_prolog's latent
+    is the one the npu kv_prolog expands (bit for bit)."""
+    run_paged("""
+        norms = []
+        real = torch_npu.npu_rms_norm
+        torch_npu.npu_rms_norm = lambda x, *a, **k: norms.append(tuple(x.shape)) or real(x, *a, **k)
+        for op, name in (("q_prolog", "v2-lora-decode"), ("q_prolog", "small-lora-bias-half"),
+                         ("q_prolog", "small-no-lora-neox"), ("latent_kv_prolog", "small-bias-half"),
+                         ("latent_kv_prolog", "v2lite")):
+            s = CASES[op].sample(torch.bfloat16, name)
+            text = mla_ops.explain(op, *on_npu(s.args), **s.kwargs)
+            assert text.startswith(f"mla.{op}: npu") and "path: torch_npu composite" in text, text
+            assert "not torch_npu.npu_mla_prolog_v3" in text and "absorbs W_UK" in text, text
+            norms.clear()
+            got = getattr(torch.ops.mla, op)(*on_npu(s.args), **s.kwargs)
+            assert len(norms) == (0 if name == "small-no-lora-neox" else 1), (name, norms)
+            want = getattr(torch.ops.mla, op)(*s.args, **s.kwargs)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous()
+                assert torch.allclose(g.cpu().float(), w.float(), atol=3e-2, rtol=3e-2), (op, name)
+        s = CASES["kv_prolog"].sample(torch.bfloat16, "small")
+        hidden, kv_a, kv_a_b, norm, kv_b, cos, sin = on_npu(s.args)
+        latent, _ = torch.ops.mla.latent_kv_prolog(hidden, kv_a, kv_a_b, norm, cos, sin,
+                                                   rope_layout=s.kwargs["rope_layout"])
+        k_nope, _, _ = torch.ops.mla.kv_prolog(*on_npu(s.args), **s.kwargs)
+        P = s.kwargs["qk_nope_head_dim"]
+        expanded = torch.nn.functional.linear(latent, kv_b).view(*latent.shape[:2], s.kwargs["num_heads"], -1)
+        assert torch.equal(expanded[..., :P].transpose(1, 2).cpu(), k_nope.cpu())
+    """)
+
+
+@pytest.mark.parametrize("op, change, reason", [
+    ("mla_decode_attention", {"latent": 256}, "kv_lora_rank 256"),
+    ("mla_decode_attention", {"rope": 32}, "rope_dim 32"),
+    ("mla_decode_attention", {"heads": 3}, "3 heads"),
+    ("mla_decode_attention", {"dtype": "float32"}, "dtype torch.float32"),
+    ("mla_decode_attention", {"block_size": 8, "width": 6}, "block_size 8"),
+    ("mla_decode_attention", {"block_size": 1024, "seq_lens": (700,), "width": 1}, "block_size 1024"),
+    ("mla_decode_attention", {"split_pool": True}, "key_cache is not contiguous"),
+    ("mla_decode_attention", {"spare_blocks": -3}, "num_blocks 9 < batch 3 x block-table width 4"),
+    ("scatter_pa_kv_cache", {"dtype": "float64"}, "key_cache dtype torch.float64"),
+    ("scatter_pa_cache", {"dtype": "float64"}, "cache dtype torch.float64"),
+    ("q_prolog", {"dtype": "float64"}, "dtype torch.float64 (torch_npu.npu_rms_norm"),
+    ("latent_kv_prolog", {"dtype": "float64"}, "dtype torch.float64 (torch_npu.npu_rms_norm"),
+])
+def test_npu_kernels_fall_back_with_the_reason_and_a_demand_is_refused(op, change, reason):
+    """Each declared limit: explain() names it, the reference kernel serves the call (torch_npu is not
+    called), and MLA_OPS_BACKEND=npu refuses it with the reason."""
+    run_paged(f"""
+        from mla_ops.testing import suites
+        op, kwargs = {op!r}, {change!r}.copy()
+        if "dtype" in kwargs:
+            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+        if op == "mla_decode_attention":
+            args, kw = decode_args(**kwargs), {{}}
+        else:
+            name = {{"scatter_pa_kv_cache": "padding", "scatter_pa_cache": "padding", "q_prolog": "small-lora",
+                     "latent_kv_prolog": "small"}}[op]
+            sample = CASES[op].sample(kwargs["dtype"], name)
+            args, kw = sample.args, dict(sample.kwargs)
+        dev = on_npu(args)  # split views stay views (Sample.to / .clone would make them contiguous)
+        text = mla_ops.explain(op, *dev, **kw)
+        assert text.startswith(f"mla.{{op}}: reference") and "not npu" in text and {reason!r} in text, text
+        calls, norms = len(torch_npu.CALLS), []
+        real = torch_npu.npu_rms_norm
+        torch_npu.npu_rms_norm = lambda *a, **k: norms.append(1) or real(*a, **k)
+        written = suites.written_positions(op)
+        got = suites.outputs_of(getattr(torch.ops.mla, op)(*dev, **kw), dev, written)
+        assert len(torch_npu.CALLS) == calls and not norms  # torch_npu never called
+        if op == "mla_decode_attention":  # the reference kernel's device path, run on the CPU
+            want = (decode_sync_free(*args),)
+        else:
+            want = suites.call(op, suites.Sample("", args, kw))
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+        refused = pytest.raises(NotImplementedError, match="cannot serve this call.*" + re.escape({reason!r}))
+        with mla_ops.use_backend("npu"), refused:
+            getattr(torch.ops.mla, op)(*dev, **kw)
+    """)
+
+
+def test_decode_reasons_for_limits_too_large_to_allocate_here():
+    """The limits of one query token over the whole table (KV_S <= 262144) and of the batch (<= 65536),
+    asked of the reasons directly on meta tensors (no memory behind them)."""
+    run_paged("""
+        def reasons(batch=2, width=4, block_size=16, num_blocks=None):
+            num_blocks = num_blocks or batch * width
+            meta = dict(device="meta", dtype=torch.bfloat16)
+            return npu.mla_decode_attention_reasons(
+                torch.empty(batch, 16, 512, **meta), torch.empty(batch, 16, 64, **meta),
+                torch.empty(num_blocks, block_size, 1, 512, **meta), torch.empty(num_blocks, block_size, 1, 64, **meta),
+                torch.empty(batch, width, dtype=torch.int32, device="meta"),
+                torch.empty(batch, dtype=torch.int32, device="meta"), 0.1)
+        assert reasons() == []
+        assert any("a block table of 513 x 512 positions" in r for r in reasons(batch=1, width=513, block_size=512))
+        assert reasons(batch=1, width=512, block_size=512) == []
+        assert any("batch 65537" in r for r in reasons(batch=65537, width=1))
+    """)
+
+
+def test_capture_refuses_a_host_sync_and_the_npu_kernels_replay_new_inputs():
+    """torch.npu.graph on the stand-in raises on a host synchronisation (a negative control for each
+    kind), and every new npu kernel captures without one and replays new inputs (the selftest's rows,
+    run here through their function): the torch_npu function runs again at replay."""
+    run_paged("""
+        from mla_ops.cli import selftest
+        x = torch.arange(6, dtype=torch.float32).to("npu")
+        # (.tolist() of an npu tensor is refused by torch itself here: wrapper tensors have no host data)
+        syncs = {"item": lambda: x.sum().item(), "cpu": lambda: x.cpu(),
+                 "bool": lambda: bool(x.any()), "nonzero": lambda: torch.nonzero(x),
+                 "mask": lambda: x[x > 2], "to npu": lambda: torch.ones(3).to("npu"),
+                 "tensor on npu": lambda: torch.tensor([1, 2], device="npu"),
+                 "repeat_interleave": lambda: torch.repeat_interleave(x.long())}
+        for name, sync in syncs.items():
+            with pytest.raises(torch_npu.HostSyncInCapture), torch.npu.graph(torch.npu.NPUGraph()):
+                sync()
+        with torch.npu.graph(torch.npu.NPUGraph()):  # device work only: fine
+            torch.repeat_interleave(x, 2), x.to(torch.int32), torch.zeros(3, device="npu"), x.clamp(0, 3)
+        for op, name in selftest.NPU_GRAPH_CASES:
+            sample = CASES[op].sample(torch.bfloat16, name)
+            start = len(torch_npu.CALLS)
+            verdict, detail = selftest.replay_with_new_inputs(op, sample, selftest.other_values(sample),
+                                                              torch.device("npu", 0), torch.npu.NPUGraph,
+                                                              torch.npu.graph)
+            assert verdict == "PASS" and detail.startswith("npu ("), (op, detail)
+            fused = [c for c, _ in torch_npu.CALLS[start:]]
+            if op == "mla_decode_attention":
+                assert fused == ["npu_fused_infer_attention_score_v2"] * 3, fused   # warm-up, capture, replay
+            elif op.startswith("scatter"):
+                assert fused == ["npu_scatter_nd_update_"] * (3 * (2 if op == "scatter_pa_kv_cache" else 1)), fused
     """)

@@ -1,4 +1,4 @@
-"""The ``npu`` backend (Ascend, PrivateUse1): torch_npu stage-1 ops + PyPTO kernels.
+"""The ``npu`` backend (Ascend, PrivateUse1): torch_npu ops + PyPTO kernels.
 
 Nothing here imports torch_npu or pypto at import time; the kernels import them when called (an NPU
 tensor exists only once torch_npu is imported). The kernels are bound to PrivateUse1 whether or not
@@ -15,14 +15,21 @@ Policy (plain functions, testable on any machine):
 * gather_pa_kv_cache: the PyPTO kernel, with the large-token tile when heads*dim > 4096.
 * lightning_indexer / sparse_mla_attention: torch_npu's fused `npu_lightning_indexer` and
   `npu_sparse_flash_attention` (TND queries over PA_BSND caches), within their documented limits.
+* mla_decode_attention: torch_npu's `npu_fused_infer_attention_score_v2` in its MLA form (one query
+  token, page attention), the lengths as a device-built mask over the whole block table.
+* scatter_pa_kv_cache / scatter_pa_cache: torch_npu's `npu_scatter_nd_update_` with [block, offset]
+  indices, padding slots redirected on the device.
+* q_prolog / latent_kv_prolog: composites of torch_npu ops (npu_rms_norm for the norms); torch_npu's
+  fused `npu_mla_prolog_v2/_v3` compute something else (see the prolog section).
 
-Both ops fall back, never raise, when their PyPTO kernel cannot take a call (any pypto other than
+The PyPTO ops fall back, never raise, when their PyPTO kernel cannot take a call (any pypto other than
 0.2.0, pypto missing, an unsupported dtype or shape): kv_prolog to this backend's own torch_npu
 baseline (inside the kernel: the baseline is NPU code, so the npu backend still serves the call, also
 under MLA_OPS_BACKEND=npu), gather to the reference kernel (through the backend layer, via
 `reasons=`: the npu backend has no other gather, so an explicit MLA_OPS_BACKEND=npu demand for a
-gather it cannot serve is refused with the reasons, as for every backend). `explain()` names the path
-either way (`fused_kv_prolog_reasons` for kv_prolog).
+gather it cannot serve is refused with the reasons, as for every backend). The torch_npu kernels
+declare their documented limits the same way (`reasons=`). `explain()` names the path either way
+(`fused_kv_prolog_reasons` for kv_prolog).
 """
 from __future__ import annotations
 
@@ -50,7 +57,7 @@ def _unavailable() -> Optional[str]:
     return None if has_module("torch_npu") else "torch_npu is not installed"
 
 
-NPU = Backend("npu", "Ascend NPU: torch_npu stage-1 ops + PyPTO kernels, fused for short token counts", ("npu",),
+NPU = Backend("npu", "Ascend NPU: torch_npu ops (fused attention, cache scatter, prologs) + PyPTO kernels", ("npu",),
               _unavailable, auto_priority=0)  # the automatic choice on NPU tensors
 
 
@@ -302,6 +309,257 @@ def sparse_mla_attention(q_latent, q_pe, key_cache, value_cache, block_tables, s
         query_rope=q_pe.contiguous(), key_rope=value_cache, sparse_block_size=1,
         layout_query="TND", layout_kv="PA_BSND", sparse_mode=0, attention_mode=2)[0]
     return torch.where(valid.any(dim=1)[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+# ------------------------------------------------------------------------------- paged decode attention
+# torch_npu.npu_fused_infer_attention_score_v2 in its MLA form, within the limits of Ascend/op-plugin's
+# docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score_v2.md (master 517f2e7d0f20,
+# 2026-08-21: "MLA场景约束" for query D = 512, "Q_S=1约束" for page attention) and the block_size limit of
+# one query token in torch_npu-npu_fused_infer_attention_score.md (the same commit); schema in
+# op_plugin/config/op_plugin_functions.yaml (named _v2 since 18792f97, 2025-07-29). vllm-ascend's plain
+# decode calls it the same way (vllm_ascend/attention/mla_v1.py, AscendMLAImpl._forward_decode at
+# 182b75ea84ff: q [B, N, 1, L] and q_pe [B, N, 1, R], key = value = the latent cache viewed
+# [NB, 1, bs, L], key_rope the k_pe cache viewed [NB, 1, bs, R], one KV head, sparse_mode 0), except
+# for two things: it passes the host's list of lengths (its metadata keeps seq_lens_list), and it takes
+# the output head-major ("BNSD_NBSD") for its W_UV product, where the op returns [B, N, L] ("BNSD").
+_FIA_LATENT, _FIA_ROPE = 512, 64
+_FIA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # query heads of the D = 512 MLA form
+_FIA_MAX_BLOCK = 512     # one query token: block_size "非0值，最大512" (the MLA section alone allows 1024)
+_FIA_MAX_KV = 262144     # one query token: KV_S <= 262144
+_FIA_MAX_BATCH = 65536
+_INT32_ELEMENTS = 2**31 - 1  # "key、value各自对应tensor的shape所有维度相乘不能超过int32的表示范围"
+
+
+def mla_decode_attention_reasons(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
+                                 softmax_scale) -> list[str]:
+    """Why torch_npu.npu_fused_infer_attention_score_v2 cannot serve this decode call (shapes and
+    dtypes only)."""
+    reasons = []
+    batch, heads, lora = q_latent.shape
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    width = block_tables.shape[1]
+    if q_latent.dtype not in _NPU_FLOATS:
+        reasons.append(f"dtype {q_latent.dtype} (torch_npu's fused infer attention takes float16/bfloat16)")
+    if lora != _FIA_LATENT or q_pe.shape[2] != _FIA_ROPE:
+        reasons.append(f"kv_lora_rank {lora} / rope_dim {q_pe.shape[2]} (torch_npu's fused infer attention takes "
+                       f"{_FIA_LATENT} / {_FIA_ROPE} in its MLA form)")
+    if heads not in _FIA_HEADS:
+        reasons.append(f"{heads} heads (torch_npu's fused infer attention takes {'/'.join(map(str, _FIA_HEADS))} "
+                       f"in its MLA form)")
+    if batch > _FIA_MAX_BATCH:
+        reasons.append(f"batch {batch} (torch_npu's fused infer attention takes at most {_FIA_MAX_BATCH})")
+    if block_size % 16 or block_size > _FIA_MAX_BLOCK:
+        reasons.append(f"block_size {block_size} (torch_npu's page attention for one query token takes multiples "
+                       f"of 16 up to {_FIA_MAX_BLOCK})")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not cache.is_contiguous():
+            reasons.append(f"{name} is not contiguous (torch_npu's fused infer attention takes contiguous caches)")
+        if cache.numel() > _INT32_ELEMENTS:
+            reasons.append(f"{name} has {cache.numel()} elements (torch_npu's page attention counts them in int32)")
+    if width * block_size > _FIA_MAX_KV:
+        reasons.append(f"a block table of {width} x {block_size} positions (attended over its whole width, at most "
+                       f"{_FIA_MAX_KV} for one query token)")
+    if num_blocks < batch * width:
+        reasons.append(f"num_blocks {num_blocks} < batch {batch} x block-table width {width} (torch_npu's page "
+                       f"attention needs a block for each one its lengths address, and the lengths given are the "
+                       f"table's capacity: seq_lens, on the device, would need a host read)")
+    return reasons
+
+
+@NPU.kernel("mla_decode_attention", reasons=mla_decode_attention_reasons,
+            path=lambda *a, **k: "torch_npu.npu_fused_infer_attention_score_v2 (MLA form, BNSD, page attention "
+                                 "over the whole block table, seq_lens as its mask)")
+def mla_decode_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale):
+    """torch_npu.npu_fused_infer_attention_score_v2, MLA form: query = q_latent [B, N, 512] as
+    [B, N, 1, 512] ("BNSD"), query_rope = q_pe [B, N, 64] as [B, N, 1, 64], key = value = key_cache
+    [NB, bs, 1, 512] viewed [NB, 1, bs, 512] (the latent is both), key_rope = value_cache [NB, bs, 1, 64]
+    viewed [NB, 1, bs, 64], one KV head, block_table int32 -> o_latent [B, N, 512] in q's dtype.
+
+    * Lengths without a host read: torch_npu takes the lengths as a host list (SymInt[]), and seq_lens is
+      a device tensor. Every row is given the table's capacity W*bs instead, and seq_lens becomes an
+      atten_mask [B, 1, 1, W*bs] (nonzero = not attended, sparse_mode 0) built on the device. The price:
+      the kernel works over the whole table width of every row, and the pool must hold B*W blocks (its
+      documented lower bound for those lengths; a reason otherwise).
+    * Block ids: the kernel reads every column, so ids are clamped into the pool; positions whose id is
+      not a block of the pool are masked, as in the reference's device path. Positions past a row's
+      length enter P . V with probability 0: they must hold finite values (mla-ops' paged caches are
+      zero-initialised), since 0 * NaN is NaN and masked positions are not documented to be skipped.
+    * A row with no attended position gives zeros (the op's contract; the documentation leaves that
+      output open).
+    * Numerics: the kernel's (inner_precise 0, the documented high-precision mode), not the reference's
+      rounding of P to the activation dtype.
+    No host synchronisation: the conversions are tensor ops of static shapes, the length list comes
+    from shapes."""
+    import torch_npu
+
+    batch, heads, lora = q_latent.shape
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    width = block_tables.shape[1]
+    if batch == 0 or width == 0:  # torch_npu's MLA form takes no empty tensors; nothing is attended
+        return q_latent.new_zeros(q_latent.shape)
+    capacity = width * block_size
+    ids = block_tables.long()
+    valid_ids = ((ids >= 0) & (ids < num_blocks)).repeat_interleave(block_size, dim=1)  # [B, W*bs]
+    positions = torch.arange(capacity, device=q_latent.device)
+    attended = (positions[None, :] < seq_lens.long()[:, None]) & valid_ids
+    rope = q_pe.shape[2]
+    latent = key_cache.view(num_blocks, 1, block_size, lora)  # [NB, KV_N, bs, D]: one tensor, key and value
+    out = torch_npu.npu_fused_infer_attention_score_v2(
+        q_latent.contiguous().view(batch, heads, 1, lora), latent, latent,
+        query_rope=q_pe.contiguous().view(batch, heads, 1, rope),
+        key_rope=value_cache.view(num_blocks, 1, block_size, rope),
+        atten_mask=(~attended).view(batch, 1, 1, capacity), actual_seq_kvlen=[capacity] * batch,
+        block_table=ids.clamp(0, num_blocks - 1).to(torch.int32), num_query_heads=heads, num_key_value_heads=1,
+        softmax_scale=float(softmax_scale), input_layout="BNSD", sparse_mode=0, block_size=block_size)[0]
+    out = out.view(batch, heads, lora)
+    return torch.where(attended.any(dim=1)[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+# ---------------------------------------------------------------------------------------- cache writes
+# torch_npu.npu_scatter_nd_update_ (Ascend/op-plugin 517f2e7d, docs/zh/custom_APIs/torch_npu/
+# torch_npu-npu_scatter_nd_update_.md): input[indices[i]] = updates[i] in place, input of any strides,
+# indices int32/int64 that must all be in range. vllm-ascend writes its sparse caches with it
+# (vllm_ascend/attention/sfa_v1.py at 182b75ea). Not torch_npu.npu_scatter_pa_kv_cache: its
+# documentation (torch_npu-npu_scatter_pa_kv_cache.md) takes contiguous inputs only, slots in
+# [0, num_blocks * block_size) and no repeated slot, and describes its ND ('Norm') cache layout less
+# precisely than the NZ one.
+_SCATTER_ND_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.int64, torch.int8)
+
+
+def _scatter_cache_reasons(name: str, cache) -> list[str]:
+    if cache.dtype in _SCATTER_ND_DTYPES:
+        return []
+    return [f"{name} dtype {cache.dtype} (torch_npu's npu_scatter_nd_update_ takes float32/float16/bfloat16/bool/"
+            f"int64/int8 on Atlas A2/A3)"]
+
+
+def scatter_pa_kv_cache_reasons(key, value, key_cache, value_cache, slot_mapping) -> list[str]:
+    """Why torch_npu.npu_scatter_nd_update_ cannot write this cache pair (dtypes only)."""
+    return _scatter_cache_reasons("key_cache", key_cache) + _scatter_cache_reasons("value_cache", value_cache)
+
+
+def scatter_pa_cache_reasons(key, cache, slot_mapping) -> list[str]:
+    """Why torch_npu.npu_scatter_nd_update_ cannot write this pool (dtypes only)."""
+    return _scatter_cache_reasons("cache", cache)
+
+
+def scatter_rows_with_torch_npu(pairs, slot_mapping) -> None:
+    """cache[slot // bs, slot % bs] = rows[t] for every token t whose slot lies in the pool, through
+    torch_npu.npu_scatter_nd_update_ with [T, 2] (block, offset) indices. `pairs`: ((rows [T, H, D],
+    cache [NB, bs, H, D]), ...), all addressed by one slot_mapping [T].
+
+    The op skips padding (negative) and out-of-range slots; torch_npu takes no index out of range, and
+    dropping those tokens would take a host read (a data-dependent count). So, as the reference's device
+    path does, each of them is redirected to the first kept token's slot with that token's own row, or,
+    with no token kept, to slot 0 with slot 0's own contents: every repeated index carries the same row,
+    so any write order leaves the same cache (the documentation says nothing about repeated indices)."""
+    import torch_npu
+
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    num_blocks, block_size = pairs[0][1].shape[0], pairs[0][1].shape[1]
+    slots = slot_mapping.long()
+    kept = (slots >= 0) & (slots < num_blocks * block_size)
+    any_kept = kept.any()
+    first_kept = torch.argmax(kept.to(torch.float32))  # a kept token whenever there is one
+    token = torch.where(kept, torch.arange(num_tokens, device=slots.device), first_kept)
+    dst = torch.where(any_kept, slots[token], 0)
+    indices = torch.stack((torch.div(dst, block_size, rounding_mode="floor"), torch.remainder(dst, block_size)), 1)
+    for rows, cache in pairs:
+        updates = torch.where(any_kept, rows[token], cache[0, 0].unsqueeze(0))  # read before any write
+        torch_npu.npu_scatter_nd_update_(cache, indices, updates)
+
+
+def _scatter_path(*args, **kwargs) -> str:
+    return "torch_npu.npu_scatter_nd_update_ ([block, offset] indices, padding slots redirected on the device)"
+
+
+@NPU.kernel("scatter_pa_kv_cache", reasons=scatter_pa_kv_cache_reasons, path=_scatter_path)
+def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+    """key [T, Hk, Dk] -> key_cache [NB, bs, Hk, Dk], value [T, Hv, Dv] -> value_cache, in place, through
+    torch_npu.npu_scatter_nd_update_; no host synchronisation (see `scatter_rows_with_torch_npu`)."""
+    scatter_rows_with_torch_npu(((key, key_cache), (value, value_cache)), slot_mapping)
+
+
+@NPU.kernel("scatter_pa_cache", reasons=scatter_pa_cache_reasons, path=_scatter_path)
+def scatter_pa_cache(key, cache, slot_mapping):
+    """key [T, H, D] -> cache [NB, bs, H, D] in place, through torch_npu.npu_scatter_nd_update_."""
+    scatter_rows_with_torch_npu(((key, cache),), slot_mapping)
+
+
+# ------------------------------------------------------------------------------------------- prologs
+# torch_npu.npu_mla_prolog_v2 / _v3 (Ascend/op-plugin 517f2e7d, docs/zh/custom_APIs/torch_npu/
+# torch_npu-npu_mla_prolog_v2.md, torch_npu-npu_mla_prolog_v3.md) cannot serve q_prolog or
+# latent_kv_prolog:
+# * their query output is q_nope absorbed with W_UK ([T, N, Hckv = 512]); q_prolog returns q_nope
+#   itself [B, N, S, P] (prefill attends with it);
+# * they run the query and the KV path in one call, with every weight required, and write the KV path
+#   into caches (v2: paged, cache_index required; v3's "TND"/"BSND" cache modes into buffers):
+#   latent_kv_prolog alone would run the whole query path for nothing;
+# * their weights are transposed ([He, Hcq], [Hcq, N*(D+Dr)], [He, Hckv+Dr]) in FRACTAL_NZ, where the
+#   ops take nn.Linear's [out, in] in ND: a transpose and format cast of every weight on every call;
+# * no bias (q_a_bias / kv_a_bias), bfloat16 only when unquantised, fixed dims (v2: He 7168, Hcq 1536,
+#   D 128, S <= 16; v3: He 1024..8192, Hcq 1536/2048, D 128/192; both N a power of 2 <= 128, Hckv 512,
+#   Dr 64), one RoPE layout ("interleave-half" = rope_layout "half") with bfloat16 cos/sin [.., Dr]
+#   where the ops take fp32 tables per rotation pair.
+# So both prologs are composites of torch_npu ops: kv_prolog's stage 1 (F.linear, split, npu_rms_norm,
+# one kernel for the norm) and RoPE as framework ops.
+_RMS_NORM_FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # npu_rms_norm's self dtypes, Atlas A2/A3
+_NOT_MLA_PROLOG = ("not torch_npu.npu_mla_prolog_v3, which absorbs W_UK into q_nope, runs both paths into caches "
+                   "and takes NZ weights of fixed dims")
+
+
+def _rms_norm_reasons(hidden_states) -> list[str]:
+    if hidden_states.dtype in _RMS_NORM_FLOATS:
+        return []
+    return [f"dtype {hidden_states.dtype} (torch_npu.npu_rms_norm takes float16/bfloat16/float32)"]
+
+
+def latent_kv_prolog_reasons(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, *, eps=1e-6,
+                             rope_layout="interleaved", rope_compute_dtype="float32") -> list[str]:
+    return _rms_norm_reasons(hidden_states)
+
+
+@NPU.kernel("latent_kv_prolog", reasons=latent_kv_prolog_reasons,
+            path=lambda *a, **k: "torch_npu composite: kv_prolog's stage 1 (F.linear, split, npu_rms_norm) and "
+                                 "RoPE; " + _NOT_MLA_PROLOG)
+def latent_kv_prolog(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, *, eps=1e-6,
+                     rope_layout="interleaved", rope_compute_dtype="float32"):
+    """-> latent [B, S, L] (npu_rms_norm of the kv_a output's latent part), k_pe [B, S, R] (rotated):
+    the latent the npu kv_prolog expands, so a cached latent and kv_prolog's agree bit for bit."""
+    latent, k_pe = _npu_stage1(hidden_states, kv_a_weight, kv_a_bias, kv_norm_weight, eps)
+    return latent, rope_math(k_pe, cos, sin, rope_layout, rope_compute_dtype)
+
+
+def q_prolog_reasons(hidden_states, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin, *, num_heads,
+                     qk_nope_head_dim, eps=1e-6, rope_layout="interleaved", rope_compute_dtype="float32") -> list[str]:
+    return _rms_norm_reasons(hidden_states) if q_norm_weight is not None else []
+
+
+def _q_prolog_path(hidden_states, q_a_weight, *args, **kwargs) -> str:
+    steps = "F.linear, npu_rms_norm, F.linear, split and RoPE" if q_a_weight is not None else \
+        "F.linear, split and RoPE (no q-LoRA)"
+    return f"torch_npu composite: {steps}; {_NOT_MLA_PROLOG}"
+
+
+@NPU.kernel("q_prolog", reasons=q_prolog_reasons, path=_q_prolog_path)
+def q_prolog(hidden_states, q_a_weight, q_a_bias, q_norm_weight, q_b_weight, cos, sin, *, num_heads,
+             qk_nope_head_dim, eps=1e-6, rope_layout="interleaved", rope_compute_dtype="float32"):
+    """hidden [B, S, H] -> (q_a_proj -> npu_rms_norm ->) q_b_proj -> q_nope [B, N, S, P], q_pe [B, N, S, R]
+    (rotated), contiguous, in hidden's dtype. Without q-LoRA (q_a_weight None) the framework ops alone."""
+    import torch_npu
+
+    q_in = hidden_states
+    if q_a_weight is not None:
+        q_in = torch_npu.npu_rms_norm(F.linear(hidden_states, q_a_weight, q_a_bias), q_norm_weight, epsilon=eps)[0]
+    q = F.linear(q_in, q_b_weight)
+    batch, seq, _ = q.shape
+    q = q.view(batch, seq, num_heads, q.shape[-1] // num_heads).transpose(1, 2)  # explicit: seq may be 0
+    q_nope, q_pe = torch.split(q, [qk_nope_head_dim, q.shape[-1] - qk_nope_head_dim], dim=-1)
+    # clone, not .contiguous(): an empty view counts as contiguous, and op outputs must not alias
+    return q_nope.clone(memory_format=torch.contiguous_format), rope_math(q_pe, cos, sin, rope_layout,
+                                                                          rope_compute_dtype)
 
 
 def warmup_token_counts() -> tuple[int, ...]:

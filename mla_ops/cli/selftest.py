@@ -9,10 +9,11 @@ on the device through whichever backend serves it there — named in the row, wi
 path where it has one — and compares the result with the reference kernel run on the CPU (the same
 inputs and dtype) and with the op's oracle (the contract in float64): the kernel must be within its
 rounding bound of the oracle, and within the two kernels' bounds of the reference; ops that only move
-data must be bit-exact. On an NPU it also checks the binding of the kernels to PrivateUse1, which
+data must be bit-exact. On an NPU it also checks the binding of every npu kernel to PrivateUse1, which
 kv_prolog path (fused PyPTO or torch_npu baseline) each token count takes, the paged gather against
-torch_npu's own npu_gather_pa_kv_cache, capture and replay of kv_prolog in a device graph with new
-inputs, and a short generate in eager and graph mode (equal tokens). On CPU, `--pypto-sim` adds the
+torch_npu's own npu_gather_pa_kv_cache, capture and replay in a device graph with new inputs (kv_prolog,
+and on an NPU the decode attention, both cache scatters and both other prologs), and a short generate in
+eager and graph mode (equal tokens). On CPU, `--pypto-sim` adds the
 rows of the pypto_sim backend (the PyPTO kernels in pypto's simulator, about a second per call).
 """
 from __future__ import annotations
@@ -188,6 +189,46 @@ def check_kv_prolog_paths(report: Report, device: torch.device) -> None:
 
 
 # ------------------------------------------------------------------------------------ device checks
+# The npu kernels captured in a device graph and replayed with new inputs on an NPU, each with the case
+# database sample it runs (kv_prolog has its own row, on every accelerator).
+NPU_GRAPH_CASES = (("mla_decode_attention", "v2lite-block-128"), ("scatter_pa_kv_cache", "v2lite"),
+                   ("scatter_pa_cache", "v2lite"), ("q_prolog", "v2-lora-decode"),
+                   ("latent_kv_prolog", "v2lite-decode-half"))
+
+
+def other_values(sample):
+    """The same call with other values (every floating tensor rolled by one along its last dim; index
+    tensors kept): what a replay must pick up from the captured buffers."""
+    return sample.map(lambda t: t.roll(1, -1) if t.is_floating_point() else t)
+
+
+def replay_with_new_inputs(op: str, static_cpu, fresh_cpu, device: torch.device, make_graph,
+                           capture) -> tuple[str, str]:
+    """Capture `op` on `static_cpu` (moved to `device`) in a device graph, copy `fresh_cpu` into the
+    captured buffers, replay, and judge the outputs (returned, or written in place) against the
+    oracle of `fresh_cpu`."""
+    from ..testing import suites
+    from ..testing.cases import CASES
+
+    static = static_cpu.to(device)
+    call = getattr(torch.ops.mla, op)
+    served = serving_backend(op, static)
+    call(*static.args, **static.kwargs)  # compile / warm up outside the capture
+    graph = make_graph()
+    with capture(graph):
+        result = call(*static.args, **static.kwargs)
+    for dst, src in zip(static.args, fresh_cpu.args):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src.to(device))
+    graph.replay()
+    outputs = suites.outputs_of(result, static.args, suites.written_positions(op))
+    want = CASES[op].oracle(*fresh_cpu.args, **fresh_cpu.kwargs)
+    bound = CASES[op].bound(served.split(" ", 1)[0], torch.bfloat16)
+    err = max(suites.normalised_error(o.cpu(), w) for o, w in zip(outputs, want))
+    detail = f"{served}; new inputs after capture; vs oracle {err:.1e} (bound {bound:.1e})"
+    return ("PASS" if err <= bound else "FAIL"), detail
+
+
 def check_graph_replay(report: Report, device: torch.device) -> None:
     if device.type == "npu":
         make_graph, capture = torch.npu.NPUGraph, torch.npu.graph
@@ -196,28 +237,17 @@ def check_graph_replay(report: Report, device: torch.device) -> None:
     else:
         report.add("kv_prolog graph capture + replay", "SKIP", f"no device graphs on {device.type}")
         return
+    from ..testing.cases import CASES
 
-    def one():
-        from ..testing import suites
-        from ..testing.cases import CASES
-
-        static = prolog_sample(1, torch.bfloat16, "interleaved", seed=2).to(device)
-        torch.ops.mla.kv_prolog(*static.args, **static.kwargs)  # compile / warm up outside the capture
-        graph = make_graph()
-        with capture(graph):
-            outputs = torch.ops.mla.kv_prolog(*static.args, **static.kwargs)
-        fresh = prolog_sample(1, torch.bfloat16, "interleaved", seed=3)
-        for dst, src in zip(static.args, fresh.args):
-            if isinstance(dst, torch.Tensor):
-                dst.copy_(src.to(device))
-        graph.replay()
-        want = CASES["kv_prolog"].oracle(*fresh.args, **fresh.kwargs)
-        err = max(suites.normalised_error(o.cpu(), w) for o, w in zip(outputs, want))
-        bound = CASES["kv_prolog"].bound("npu" if device.type == "npu" else "reference", torch.bfloat16)
-        detail = f"new inputs after capture; vs oracle {err:.1e} (bound {bound:.1e})"
-        return ("PASS" if err <= bound else "FAIL"), detail
-
-    report.run("kv_prolog graph capture + replay", one)
+    report.run("kv_prolog graph capture + replay", lambda: replay_with_new_inputs(
+        "kv_prolog", prolog_sample(1, torch.bfloat16, "interleaved", seed=2),
+        prolog_sample(1, torch.bfloat16, "interleaved", seed=3), device, make_graph, capture))
+    if device.type != "npu":
+        return
+    for op, name in NPU_GRAPH_CASES:
+        sample = CASES[op].sample(torch.bfloat16, name)
+        report.run(f"{op} graph capture + replay", lambda op=op, sample=sample: replay_with_new_inputs(
+            op, sample, other_values(sample), device, make_graph, capture))
 
 
 def report_host_time(report: Report, device: torch.device) -> None:
@@ -276,7 +306,7 @@ def environment(report: Report, device: torch.device) -> None:
     if device.type != "npu":
         return
     bound = {op: label for op, device_type, label in backends.bound_report() if device_type == "npu"}
-    for op in ("kv_prolog", "gather_pa_kv_cache", "gather_pa_kv_cache_functional"):
+    for op in sorted(backends.BACKENDS["npu"].kernels):
         label = bound.get(op, "nothing")
         report.add(f"bound on PrivateUse1: {op}", "PASS" if "npu" in label else "FAIL", label)
 

@@ -28,7 +28,9 @@ HOST_DECODE = {"CPU_MLA": "_C::mla_decode_kvcache", "AMX_MLA": "_C::decode_atten
 MLA_OPS = ("mla::mla_decode_attention", "mla::scatter_pa_kv_cache")
 # the plugin's state in every process under the default (measured) route choice, on any CPU
 SPARSE_STATE = "sparse MLA -> mla-ops (CPU_MLA_SPARSE)"
-AUTO_STATE = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, {SPARSE_STATE}"
+# AMX_MLA is routed where mla-ops' bf16 decode runs its AMX engine (measured faster than vLLM's AMX kernel)
+AMX_ENGINE = AMX and "DNNL_MAX_CPU_ISA" not in os.environ and os.environ.get("MLA_OPS_NATIVE_AMX") != "0"
+AUTO_STATE = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> {'mla-ops' if AMX_ENGINE else 'vllm'}, {SPARSE_STATE}"
 NUM_LAYERS = 2
 # fp32 end to end: the two decode kernels differ only in summation order (~1e-6 on the attention output,
 # measured); 1e-3 on a logprob leaves room for that to pass through two layers and a peaked softmax.
@@ -73,7 +75,9 @@ def test_every_layer_runs_the_plugin_backend(fp32_runs):
     log = plugin["plugin_log"]
     assert any(f"mla-ops vLLM plugin: {AUTO_STATE}; CPU_MLA decode -> torch.ops.mla.mla_decode_attention "
                "(served by cpu_native)" in line for line in log)
-    assert any("AMX_MLA decode stays vLLM's" in line for line in log)
+    amx_verdict = ("AMX_MLA decode -> torch.ops.mla.mla_decode_attention" if AMX_ENGINE
+                   else "AMX_MLA decode stays vLLM's")
+    assert any(amx_verdict in line for line in log)
 
 
 def _assert_routed(run, stock, backend):
@@ -200,8 +204,8 @@ BF16_BACKENDS = [AUTO_BACKEND] + (["CPU_MLA"] if AMX else [])
 @pytest.fixture(scope="module")
 def bf16_runs(tiny_checkpoint):
     """{backend: runs} for each of BF16_BACKENDS: stock, the plugin under its default (measured) route
-    choice, and where the default keeps vLLM's kernel (AMX_MLA) the route forced with
-    MLA_OPS_VLLM_ROUTE=mla-ops."""
+    choice, and where the default keeps vLLM's kernel (AMX_MLA without mla-ops' AMX engine) the route
+    forced with MLA_OPS_VLLM_ROUTE=mla-ops."""
     jobs = [JOBS[j] for j in BF16_JOBS]
     runs = {}
     for backend in BF16_BACKENDS:
@@ -209,7 +213,7 @@ def bf16_runs(tiny_checkpoint):
                       attention_backend=None if backend == AUTO_BACKEND else backend)
         runs[backend] = {"stock": run_llm(tiny_checkpoint, jobs, plugin=False, **kwargs),
                          "auto": run_llm(tiny_checkpoint, jobs, plugin=True, **kwargs)}
-        if backend == "AMX_MLA":
+        if backend == "AMX_MLA" and not AMX_ENGINE:
             runs[backend]["forced"] = run_llm(tiny_checkpoint, jobs, plugin=True, route="mla-ops", **kwargs)
     return runs
 
@@ -228,17 +232,22 @@ def test_bf16_runs_on_the_backend_it_asked_for_and_mla_ops_in_every_step(bf16_ru
     _assert_routed(_routed_run(runs), runs["stock"], backend)
 
 
-@pytest.mark.skipif(not AMX, reason="the default keeps a host kernel only on a CPU with AMX tiles (AMX_MLA); "
+@pytest.mark.skipif(not AMX, reason="AMX_MLA, vLLM's bf16 choice, exists only on a CPU with AMX tiles; "
                                     "elsewhere vLLM picks CPU_MLA, which the plugin routes")
-def test_bf16_on_amx_keeps_vllms_faster_kernel_by_default(bf16_runs):
+def test_bf16_on_amx_routes_amx_mla_only_where_the_amx_engine_serves(bf16_runs):
     runs = bf16_runs["AMX_MLA"]
     auto, stock = runs["auto"], runs["stock"]
     assert auto["worker_plugin_states"] == [AUTO_STATE]
+    if AMX_ENGINE:
+        assert {r["impl"] for r in auto["layers"]} == {IMPLS["AMX_MLA", "mla-ops"]}
+        assert any("AMX_MLA decode -> torch.ops.mla.mla_decode_attention" in line and "AMX engine" in line
+                   for line in auto["plugin_log"])
+        return
     assert {r["impl"] for r in auto["layers"]} == {IMPLS["AMX_MLA", "vllm"]}
     assert auto["calls"] == {} and not any(name in auto["op_counts"] for name in MLA_OPS)
     assert auto["op_counts"] == stock["op_counts"]  # vLLM's own kernels, call for call
     assert [j["outputs"] for j in auto["jobs"]] == [j["outputs"] for j in stock["jobs"]]  # bit for bit
-    assert any("AMX_MLA decode stays vLLM's" in line and "is faster here" in line for line in auto["plugin_log"])
+    assert any("AMX_MLA decode stays vLLM's" in line and "engine" in line for line in auto["plugin_log"])
     forced_state = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> mla-ops, {SPARSE_STATE}"
     assert runs["forced"]["worker_plugin_states"] == [forced_state]
 

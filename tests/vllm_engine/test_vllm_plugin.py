@@ -33,10 +33,14 @@ def test_entry_point_is_installed():
 
 
 SPARSE_STATE = "sparse MLA -> mla-ops (CPU_MLA_SPARSE)"
-AUTO_STATE = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, {SPARSE_STATE}"
+# mla-ops' bf16 decode runs its AMX engine (measured faster than AMX_MLA) on a CPU with AMX tiles unless
+# oneDNN is capped below AMX or the engine is turned off; only then does the plugin route AMX_MLA
+AMX_ENGINE = (bool(torch.cpu._is_amx_tile_supported()) and "DNNL_MAX_CPU_ISA" not in os.environ
+              and os.environ.get("MLA_OPS_NATIVE_AMX") != "0")
+AUTO_STATE = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> {'mla-ops' if AMX_ENGINE else 'vllm'}, {SPARSE_STATE}"
 
 
-def test_register_routes_cpu_mla_and_keeps_amx_mla_once(fresh_plugin):
+def test_register_routes_cpu_mla_and_amx_mla_where_the_amx_engine_serves_once(fresh_plugin):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from mla_ops.integrations.vllm.cpu import MlaOpsCPUMLABackend, MlaOpsCPUMLAImpl
@@ -46,10 +50,14 @@ def test_register_routes_cpu_mla_and_keeps_amx_mla_once(fresh_plugin):
     backend = AttentionBackendEnum.CPU_MLA.get_class()
     assert backend is MlaOpsCPUMLABackend
     assert backend.get_name() == "CPU_MLA" and backend.get_impl_cls() is MlaOpsCPUMLAImpl
-    # vLLM's AMX decode kernel measured faster than mla-ops': AMX_MLA stays vLLM's, and says why
-    assert not AttentionBackendEnum.AMX_MLA.is_overridden()
     amx = fresh_plugin.DECISIONS["AMX_MLA"]
-    assert not amx.route and "decode_attention_cpu" in amx.reason and "MLA_OPS_VLLM_ROUTE=mla-ops" in amx.reason
+    if AMX_ENGINE:
+        assert AttentionBackendEnum.AMX_MLA.is_overridden() and amx.route and "AMX engine" in amx.reason
+    else:
+        # measured faster than vLLM's AMX kernel only on the AMX engine: AMX_MLA stays vLLM's, and says why
+        assert not AttentionBackendEnum.AMX_MLA.is_overridden()
+        assert not amx.route and "engine; the route needs its amx engine" in amx.reason
+        assert "MLA_OPS_VLLM_ROUTE=mla-ops" in amx.reason
     assert fresh_plugin.DECISIONS["CPU_MLA"].route
     # vLLM calls general plugins once per process, but several entry points may; a second call is a no-op
     assert fresh_plugin.register() == state
@@ -81,6 +89,15 @@ def test_route_switch_forces_either_choice(fresh_plugin, monkeypatch):
     assert not AttentionBackendEnum.CPU_MLA.is_overridden()
 
 
+def test_amx_mla_route_needs_the_amx_engine(fresh_plugin, monkeypatch):
+    # with the AMX engine off, mla-ops' bf16 decode runs the AVX512-BF16 (or fp32) engine, which was
+    # measured slower than vLLM's AMX kernel: AMX_MLA stays vLLM's on every CPU
+    monkeypatch.setenv("MLA_OPS_NATIVE_AMX", "0")
+    assert fresh_plugin.register() == f"registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, {SPARSE_STATE}"
+    reason = fresh_plugin.DECISIONS["AMX_MLA"].reason
+    assert "bf16 decode here runs its" in reason and "the route needs its amx engine" in reason
+
+
 def test_cpu_mla_route_needs_the_native_kernel(fresh_plugin, monkeypatch):
     # the reference composite was never measured against vLLM's kernel: with it serving the decode
     # (MLA_OPS_BACKEND=reference here), CPU_MLA stays vLLM's
@@ -98,7 +115,8 @@ def test_cpu_platform_selects_the_plugin_backend(fresh_plugin):
     selector = types.SimpleNamespace(use_sparse=False, use_mla=True)
     path = current_platform.get_attn_backend_cls(None, selector)
     amx_stock = "vllm.v1.attention.backends.mla.amx_mla.AMXMLABackend"
-    assert path == (amx_stock if AMX else fresh_plugin.CPU_BACKEND)
+    amx_path = fresh_plugin.AMX_BACKEND if AMX_ENGINE else amx_stock
+    assert path == (amx_path if AMX else fresh_plugin.CPU_BACKEND)
 
 
 def _vllm_config(dtype, backend=None, model_type="deepseek_v2"):

@@ -13,8 +13,9 @@ MLA attention backend for the current platform to a subclass whose cache write a
 * Ascend (`vllm-ascend`): :mod:`mla_ops.integrations.vllm.ascend` (not runnable on a machine without NPUs).
 
 Each host backend is re-pointed only where mla-ops' decode kernel was measured at least as fast as the
-host's (:mod:`mla_ops.integrations.vllm.routes`: today CPU_MLA yes, AMX_MLA no, ASCEND_MLA only once an
-NPU kernel serves the decode); every decision is logged with its reason. On a CPU with AMX tiles the plugin
+host's (:mod:`mla_ops.integrations.vllm.routes`: today CPU_MLA yes, AMX_MLA where mla-ops' AMX engine
+serves the bf16 decode, ASCEND_MLA only once an NPU kernel serves the decode); every decision is logged
+with its reason. On a CPU with AMX tiles the plugin
 also runs non-bf16 models on CPU_MLA (vLLM's AMX_MLA takes bf16 weights only and fails on fp32).
 
 Switches (environment, read at registration in each process):

@@ -7,8 +7,9 @@ the route does not depend on the CPU model. The cache layout is the same `[num_b
 cache our scatter wrote, in the layout it expects. The decode and cache-write code is the CPU_MLA route's,
 shared through :mod:`.cpu`.
 
-Not the default: vLLM's AMX decode kernel measures faster than mla-ops' on the same memory
-(:mod:`.routes`), so the plugin registers this backend only under `MLA_OPS_VLLM_ROUTE=mla-ops`.
+The default where mla-ops' bf16 decode runs its AMX engine (measured faster than vLLM's AMX kernel on the
+same memory, :mod:`.routes`); elsewhere (the engine turned off, oneDNN capped below AMX) only under
+`MLA_OPS_VLLM_ROUTE=mla-ops`.
 """
 from __future__ import annotations
 

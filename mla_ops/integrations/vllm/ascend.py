@@ -3,10 +3,12 @@
 NOT RUNNABLE HERE: vllm-ascend needs Ascend NPUs, CANN and torch_npu; this module is import-guarded and
 has only been checked against vllm-ascend's source, not run.
 
-Off by default: mla-ops has no NPU kernel for `mla.mla_decode_attention` yet, and the reference composite
-that would serve it on PrivateUse1 gathers the whole block-table width of every request per layer and
-step. :func:`register` routes only once an NPU kernel serves the op (`routes.decide("ASCEND_MLA")`);
-`MLA_OPS_VLLM_ROUTE=mla-ops` takes the route anyway, for trying it. Written against vllm-project/vllm-ascend
+Off by default: mla-ops' NPU kernel for `mla.mla_decode_attention` (the npu backend: torch_npu's
+`npu_fused_infer_attention_score_v2` over the block table's whole width, seq_lens as a device-built mask)
+has not been measured against vllm-ascend's own call on hardware, and never a downgrade is the rule
+(`routes.decide("ASCEND_MLA")`); without that kernel the reference composite would serve the op, which
+gathers the whole block-table width of every request per layer and step. `MLA_OPS_VLLM_ROUTE=mla-ops`
+takes the route anyway, for trying it. Written against vllm-project/vllm-ascend
 (snapshot of 2026-08-22, commit 182b75ea84ff13ece27b57391331ef8935410aea):
 
 * `vllm_ascend/platform.py` `NPUPlatform.get_attn_backend_cls` returns hard-coded class paths, MLA:
@@ -36,7 +38,7 @@ ADAPTER_BACKEND = "mla_ops.integrations.vllm.ascend.MlaOpsAscendMLABackend"
 
 def register() -> str:
     """Wrap `NPUPlatform.get_attn_backend_cls` so MLA models get :class:`MlaOpsAscendMLABackend` — only
-    where an NPU kernel of mla-ops serves `mla.mla_decode_attention` (see :mod:`.routes`), or when
+    where the route was measured worth taking (see :mod:`.routes`: not yet on Ascend), or when
     `MLA_OPS_VLLM_ROUTE=mla-ops` asks for the route anyway. Otherwise vllm-ascend is left as it is and the
     returned state says why."""
     if importlib.util.find_spec("vllm_ascend") is None or importlib.util.find_spec("torch_npu") is None:

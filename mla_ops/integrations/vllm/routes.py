@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 ENV_ROUTE = "MLA_OPS_VLLM_ROUTE"
 ROUTE_MODES = ("auto", "mla-ops", "vllm")
@@ -33,9 +34,11 @@ class HostKernel:
     mla_backend: the mla-ops backend whose decode kernel was measured against `kernel`; the route is
         only taken when this backend serves `mla.mla_decode_attention` on `device_type`.
     faster: whether to route once `mla_backend` serves the decode: that kernel was measured at least as
-        fast as the host's in every measured case (ASCEND_MLA: no NPU decode kernel exists to measure;
-        the route waits for one, and its row for the measurement).
+        fast as the host's in every measured case (ASCEND_MLA: not measured on hardware, so not routed
+        by default).
     measured: the measurement, in words: ratios, shapes, CPU flags and the command that reproduces it.
+    engine: the `cpu_native` tile engine of the bf16 decode that was measured (`cpu_native.attention_engine`),
+        when the win depends on it: the route is only taken when that engine serves bf16 decode here.
     """
 
     backend: str
@@ -44,6 +47,7 @@ class HostKernel:
     mla_backend: str
     faster: bool
     measured: str
+    engine: Optional[str] = None
 
 
 # Ratios are host time / mla-ops time (above 1: mla-ops faster), bf16, V2-Lite attention dims (16 heads,
@@ -57,14 +61,19 @@ HOST_KERNELS: dict[str, HostKernel] = {row.backend: row for row in (
         "context (`mla-ops bench vllm --preset v2-lite-attention`)"),
     HostKernel(
         "AMX_MLA", "torch.ops._C.decode_attention_cpu (SGLang's AMX decode, vllm csrc/cpu/sgl-kernels)", "cpu",
-        "cpu_native", False,
-        "cpu_native decode 0.55-0.88x the speed of vLLM's AMX_MLA kernel at 512-16k context, B=1 and 8, bf16, "
-        "on an AMX CPU (amx_bf16 amx_tile avx2 avx512_bf16 avx512f; `mla-ops bench ops --against vllm`)"),
+        "cpu_native", True,
+        "cpu_native decode on its AMX engine 1.2-2.8x the speed of vLLM's AMX_MLA kernel at 512-16k context "
+        "(2.4x / 2.1x at 4k, B=1 / B=8), bf16, block 64, on an AMX CPU (amx_bf16 amx_tile avx2 avx512_bf16 "
+        "avx512f; `python -m mla_ops.bench.native`); 1.33x stock tokens/s in the engine at V2-Lite attention "
+        "dims, 4k context (`mla-ops bench vllm --preset v2-lite-attention --cases 4096x1`)",
+        engine="amx"),
     HostKernel(
         "ASCEND_MLA", "torch_npu.npu_fused_infer_attention_score_v2 (vllm-ascend attention/mla_v1.py)", "npu",
-        "npu", True,
-        "not measured: mla-ops has no NPU decode kernel yet; routed only once one serves the decode (the "
-        "reference composite it would otherwise run gathers the whole block-table width per request)"),
+        "npu", False,
+        "not measured: mla-ops' NPU decode (torch_npu's same fused kernel, given the block table's whole width "
+        "with seq_lens as a device-built mask, since torch_npu takes the lengths as a host list) has not run on "
+        "Ascend hardware, so it is not known to be at least as fast as vllm-ascend's call with the host's "
+        "lengths"),
 )}
 
 
@@ -96,6 +105,21 @@ def serving_decode_backend(device_type: str) -> str:
     return options[0].name if options else "reference"
 
 
+def bf16_decode_engine() -> str:
+    """The `cpu_native` tile engine a bf16 decode at V2-Lite's attention dims runs on this machine now
+    ("amx", "avx512_bf16", "fp32"), or "unavailable" without a native build."""
+    import torch
+
+    from ...backends import cpu_native
+
+    if cpu_native.load() is None:
+        return "unavailable"
+    q_latent = torch.empty(1, 16, 512, dtype=torch.bfloat16)
+    key_cache = torch.empty(1, 64, 1, 512, dtype=torch.bfloat16)
+    value_cache = torch.empty(1, 64, 1, 64, dtype=torch.bfloat16)
+    return cpu_native.attention_engine(q_latent, key_cache, value_cache)
+
+
 def decide(backend: str) -> Decision:
     """Whether the plugin replaces host backend `backend`'s decode kernel, and why."""
     host = HOST_KERNELS[backend]
@@ -109,7 +133,10 @@ def decide(backend: str) -> Decision:
         return Decision(False, f"mla-ops' decode on {host.device_type} would run its {serving} kernel; the route "
                                f"needs its {host.mla_backend} kernel ({host.measured}); {ENV_ROUTE}=mla-ops "
                                "routes it anyway")
+    if host.engine is not None and (engine := bf16_decode_engine()) != host.engine:
+        return Decision(False, f"mla-ops' bf16 decode here runs its {engine} engine; the route needs its "
+                               f"{host.engine} engine ({host.measured}); {ENV_ROUTE}=mla-ops routes it anyway")
     if not host.faster:
-        return Decision(False, f"{host.kernel} is faster here: {host.measured}; {ENV_ROUTE}=mla-ops routes "
+        return Decision(False, f"{host.kernel} is kept: {host.measured}; {ENV_ROUTE}=mla-ops routes "
                                "it anyway")
     return Decision(True, host.measured)

@@ -18,10 +18,18 @@ their documented semantics, of the torch_npu functions mla-ops calls:
   sum)` (op-plugin docs torch_npu-npu_lightning_indexer.md / -npu_sparse_flash_attention.md and the
   reference implementations of test/test_custom_ops/test_npu_{lightning_indexer,sparse_flash_attention}.py),
   for the TND query / PA_BSND cache layouts only; both assert the documented argument limits and
-  record their calls (`SPARSE_CALLS`);
+  record their calls (`CALLS`);
+* `npu_fused_infer_attention_score_v2(query, key, value, *, query_rope, key_rope, atten_mask,
+  actual_seq_kvlen, block_table, num_query_heads, num_key_value_heads, softmax_scale, input_layout,
+  sparse_mode, block_size, ...) -> (out, lse)` (docs torch_npu-npu_fused_infer_attention_score_v2.md
+  and -npu_fused_infer_attention_score.md), its MLA decode form with page attention only, and
+  `npu_scatter_nd_update_(input, indices, updates)` (docs torch_npu-npu_scatter_nd_update_.md); both
+  assert the documented limits, record their calls (`CALLS`) and are replayed by NPUGraph;
 * `torch.npu`: is_available, device_count, current_device, set_device, synchronize, memory stats,
-  NPUGraph / graph (records the aten ops issued during capture over the captured buffers and
-  re-issues them on replay).
+  NPUGraph / graph (records the aten ops and the torch_npu functions above issued during capture over
+  the captured buffers and re-issues them on replay; a host synchronisation inside the capture —
+  `.item()`, `.tolist()`, `.cpu()`, a copy between host and device, an output size read from the data —
+  raises `HostSyncInCapture`, as a device graph cannot capture one).
 
 What passing tests with it proves: mla-ops' Python control flow on the NPU path (registration
 timing, backend and path choice, fallbacks, argument conventions of our torch_npu calls, the
@@ -32,6 +40,7 @@ capture of real kernels. The `torch.backends` entry point in the neighbouring di
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.utils import _python_dispatch
@@ -91,6 +100,31 @@ def _wrap(x):
     return _NpuTensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, _NpuTensor) else x
 
 
+_aten = torch.ops.aten
+# ops that read device values on the host: a device-to-host copy, a scalar read, or an output size that
+# depends on the data (nonzero, masked selection, unique, repeat_interleave without output_size)
+_HOST_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+               _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default}
+
+
+class HostSyncInCapture(RuntimeError):
+    """A host synchronisation inside `torch.npu.graph`: a device graph cannot capture it (aclgraph, like
+    CUDA graphs, records device work only), so a kernel that does one is not capturable."""
+
+
+def _syncs_with_host(func, args, kwargs, inputs_on_npu: bool) -> bool:
+    """Whether `func` on these arguments moves data between host and device or reads device values."""
+    if func in _HOST_READS or func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        return inputs_on_npu
+    if func is _aten._to_copy.default and kwargs.get("device") is not None:  # .cpu() / .to("npu")
+        return _is_npu(kwargs["device"]) != inputs_on_npu
+    if func is _aten.copy_.default:
+        return isinstance(args[0], _NpuTensor) != isinstance(args[1], _NpuTensor)
+    if func in (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default):  # boolean masks
+        return inputs_on_npu and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -105,6 +139,8 @@ class _Mode(TorchDispatchMode):
                 return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1), *args, **kwargs)
         leaves = tree_leaves((args, kwargs))
         on_npu = any(isinstance(a, _NpuTensor) for a in leaves)
+        if self.recording is not None and _syncs_with_host(func, args, kwargs, on_npu):
+            raise HostSyncInCapture(f"{func} synchronises with the host inside torch.npu.graph (not capturable)")
         target = kwargs.get("device")
         if target is not None:
             on_npu = _is_npu(target)
@@ -152,7 +188,7 @@ def npu_gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, 
                 value[base + t] = 0
 
 
-SPARSE_CALLS: list = []  # (name, {argument: (shape, dtype) or value}) of every sparse call
+CALLS: list = []  # (name, {argument: (shape, dtype, contiguous) or value}) of every recorded call
 
 
 def _describe(kwargs):
@@ -188,7 +224,7 @@ def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
     positions by descending score (an unstable sort, as the documentation's test), -1 after the visible ones."""
     query, key, weights, seq_q, seq_k, table = (_unwrap(t) for t in (
         query, key, weights, actual_seq_lengths_query, actual_seq_lengths_key, block_table))
-    SPARSE_CALLS.append(("npu_lightning_indexer", _describe(dict(
+    CALLS.append(("npu_lightning_indexer", _describe(dict(
         query=query, key=key, weights=weights, actual_seq_lengths_query=seq_q, actual_seq_lengths_key=seq_k,
         block_table=table, layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
         sparse_mode=sparse_mode))))
@@ -223,7 +259,7 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     query, key, value, sparse_indices, table, seq_q, seq_k, query_rope, key_rope = (_unwrap(t) for t in (
         query, key, value, sparse_indices, block_table, actual_seq_lengths_query, actual_seq_lengths_kv, query_rope,
         key_rope))
-    SPARSE_CALLS.append(("npu_sparse_flash_attention", dict(_describe(dict(
+    CALLS.append(("npu_sparse_flash_attention", dict(_describe(dict(
         query=query, key=key, sparse_indices=sparse_indices, scale_value=scale_value, block_table=table,
         actual_seq_lengths_query=seq_q, actual_seq_lengths_kv=seq_k, query_rope=query_rope, key_rope=key_rope,
         sparse_block_size=sparse_block_size, layout_query=layout_query, layout_kv=layout_kv,
@@ -256,6 +292,133 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
             out[t] = torch.softmax(scores, dim=-1) @ latent[idx]
     empty = torch.empty(0, dtype=torch.float32)
     return _wrap(out.to(query.dtype)), _wrap(empty), _wrap(empty.clone())
+
+
+# ------------------------------------------------------------------ paged decode attention, cache writes
+def _device_function(impl):
+    """`impl` (written on CPU tensors) as torch_npu runs it: npu tensors in and out, and inside
+    `torch.npu.graph` recorded on the captured buffers so that `replay()` runs it again, as a device
+    graph re-launches a captured kernel. A result that is one of the arguments (an in-place function)
+    comes back as the caller's own tensor."""
+    @functools.wraps(impl)
+    def device_call(*args, **kwargs):
+        cpu_args, cpu_kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
+        out = impl(*cpu_args, **cpu_kwargs)
+        if _MODE.recording is not None:
+            _MODE.recording.append((impl, cpu_args, cpu_kwargs, out))
+        for arg, cpu_arg in zip(args, cpu_args):
+            if out is cpu_arg:
+                return arg
+        return tree_map(_wrap, out)
+
+    return device_call
+
+
+_FIA_RESERVED = ("query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "key_rope_dtype",
+                 "key_shared_prefix_dtype", "value_shared_prefix_dtype", "dequant_scale_query_dtype",
+                 "dequant_scale_key_dtype", "dequant_scale_value_dtype", "dequant_scale_key_rope_dtype", "out_dtype")
+
+
+@_device_function
+def npu_fused_infer_attention_score_v2(query, key, value, *, query_rope=None, key_rope=None, pse_shift=None,
+                                       atten_mask=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                                       block_table=None, dequant_scale_query=None, dequant_scale_key=None,
+                                       dequant_offset_key=None, dequant_scale_value=None, dequant_offset_value=None,
+                                       dequant_scale_key_rope=None, quant_scale_out=None, quant_offset_out=None,
+                                       quant_scale_p=None, learnable_sink=None, num_query_heads=1,
+                                       num_key_value_heads=0, softmax_scale=1.0, pre_tokens=2147483647,
+                                       next_tokens=2147483647, input_layout="BSH", sparse_mode=0, block_size=0,
+                                       query_quant_mode=0, key_quant_mode=0, value_quant_mode=0, inner_precise=0,
+                                       return_softmax_lse=False, **reserved):
+    """The MLA decode form with page attention only (Ascend/op-plugin 517f2e7d,
+    docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score_v2.md: "MLA场景约束" D=512,
+    "Q_S=1约束" page attention; block_size also as torch_npu-npu_fused_infer_attention_score.md's Q_S = 1
+    limit): query [B, N, 1, 512] and query_rope [B, N, 1, 64] in "BNSD", key = value [NB, 1, bs, 512]
+    (or [NB, bs, 512]) and key_rope [NB, 1, bs, 64] read through block_table [B, >= max blocks] int32,
+    actual_seq_kvlen a host list of lengths (one shared, or one per batch), atten_mask [B or 1, 1, 1, >= W*bs]
+    with nonzero = not computed (the incre-flash-attention convention, torch_npu-npu_incre_flash_attention.md).
+
+    out[b] = softmax(softmax_scale * (q . k + q_rope . k_rope), masked) @ value over the batch's first
+    actual_seq_kvlen positions, in fp32, rounded once to query's dtype -> (out [B, N, 1, 512], lse [1] = 0).
+    A row with every position masked is not documented: it comes out NaN here, so no caller may rely on it.
+    Asserts the documented argument limits."""
+    same_kv = key is value
+    CALLS.append(("npu_fused_infer_attention_score_v2", dict(_describe(dict(
+        query=query, key=key, query_rope=query_rope, key_rope=key_rope, atten_mask=atten_mask,
+        actual_seq_kvlen=actual_seq_kvlen, actual_seq_qlen=actual_seq_qlen, block_table=block_table,
+        num_query_heads=num_query_heads, num_key_value_heads=num_key_value_heads, softmax_scale=softmax_scale,
+        input_layout=input_layout, sparse_mode=sparse_mode, block_size=block_size, inner_precise=inner_precise,
+        return_softmax_lse=return_softmax_lse)), value_is_key=same_kv)))
+    assert set(reserved) <= set(_FIA_RESERVED) and all(v is None for v in reserved.values()), reserved
+    unused = (pse_shift, dequant_scale_query, dequant_scale_key, dequant_offset_key, dequant_scale_value,
+              dequant_offset_value, dequant_scale_key_rope, quant_scale_out, quant_offset_out, quant_scale_p,
+              learnable_sink)
+    assert all(t is None for t in unused) and (query_quant_mode, key_quant_mode, value_quant_mode) == (0, 0, 0)
+    assert query_rope is not None and key_rope is not None, "this stand-in implements the MLA form only"
+    assert input_layout == "BNSD" and sparse_mode == 0 and inner_precise in (0, 1) and not return_softmax_lse
+    assert query.dtype in (torch.float16, torch.bfloat16), query.dtype
+    assert query_rope.dtype == query.dtype and key.dtype == value.dtype == key_rope.dtype == query.dtype
+    assert all(t.is_contiguous() for t in (query, key, value, query_rope, key_rope)), "non-contiguous input"
+    assert key.shape == value.shape, (key.shape, value.shape)
+    batch, heads, q_len, dim = query.shape
+    assert q_len == 1 and dim == 512 and heads == num_query_heads and heads in (1, 2, 4, 8, 16, 32, 64, 128)
+    assert query_rope.shape == (batch, heads, 1, 64), query_rope.shape
+    assert num_key_value_heads == 1
+    if key.dim() == 4:  # (blocknum, KV_N, blocksize, D)
+        assert key.shape[1] == 1 and key.shape[2] == block_size and key.shape[3] == dim, key.shape
+        assert key_rope.shape == (key.shape[0], 1, block_size, 64), key_rope.shape
+    else:  # (blocknum, blocksize, H)
+        assert key.shape[1:] == (block_size, dim) and key_rope.shape == (key.shape[0], block_size, 64)
+    latent, k_rope = key.reshape(key.shape[0], block_size, dim), key_rope.reshape(key.shape[0], block_size, 64)
+    assert key.numel() < 2**31 and key_rope.numel() < 2**31
+    assert block_size > 0 and block_size % 16 == 0 and block_size <= 512, block_size
+    assert block_table is not None and block_table.dtype == torch.int32 and block_table.dim() == 2
+    assert block_table.shape[0] == batch, (block_table.shape, batch)
+    assert isinstance(actual_seq_kvlen, (list, tuple)) and all(isinstance(n, int) for n in actual_seq_kvlen), \
+        "actual_seq_kvlen is a host list of ints (SymInt[] in op_plugin_functions.yaml)"
+    assert len(actual_seq_kvlen) == 1 or len(actual_seq_kvlen) >= batch, actual_seq_kvlen
+    lens = [actual_seq_kvlen[0] if len(actual_seq_kvlen) == 1 else actual_seq_kvlen[b] for b in range(batch)]
+    width = block_table.shape[1]
+    assert all(0 <= n <= width * block_size and n <= 262144 for n in lens), (lens, width, block_size)
+    blocks = [-(-n // block_size) for n in lens]
+    assert sum(blocks) <= key.shape[0], f"blocknum {key.shape[0]} < the {sum(blocks)} blocks the lengths need"
+    if atten_mask is not None:
+        assert atten_mask.dtype in (torch.bool, torch.int8, torch.uint8) and atten_mask.is_contiguous()
+        assert atten_mask.dim() == 4 and atten_mask.shape[0] in (1, batch) and atten_mask.shape[1:3] == (1, 1)
+        assert atten_mask.shape[3] >= width * block_size, (atten_mask.shape, width, block_size)
+    out = torch.zeros(batch, heads, 1, dim, dtype=torch.float32)
+    for b, n in enumerate(lens):
+        ids = block_table[b, : blocks[b]].long()
+        assert bool(((ids >= 0) & (ids < key.shape[0])).all()), "block ids are the caller's to keep valid"
+        rows, rope_rows = latent[ids].reshape(-1, dim)[:n].float(), k_rope[ids].reshape(-1, 64)[:n].float()
+        scores = (query[b, :, 0].float() @ rows.T + query_rope[b, :, 0].float() @ rope_rows.T) * softmax_scale
+        if atten_mask is not None:
+            scores.masked_fill_(atten_mask[b if atten_mask.shape[0] > 1 else 0, 0, 0, :n].bool()[None, :],
+                                float("-inf"))
+        out[b, :, 0] = torch.softmax(scores, dim=-1) @ rows
+    return out.to(query.dtype), torch.zeros(1, dtype=torch.float32)
+
+
+_SCATTER_ND_DTYPES = (torch.float32, torch.float16, torch.bool, torch.bfloat16, torch.int64, torch.int8)
+
+
+@_device_function
+def npu_scatter_nd_update_(input, indices, updates):
+    """input[indices[i]] = updates[i], in place (Ascend/op-plugin 517f2e7d,
+    docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_nd_update_.md): input 1-8 dims, any strides,
+    dtypes of Atlas A2/A3; indices int32/int64, at least 2-D, last dim a <= input.dim(), no index out of
+    range (asserted); updates of shape indices.shape[:-1] + input.shape[a:] and input's dtype. Returns input."""
+    CALLS.append(("npu_scatter_nd_update_", _describe(dict(input=input, indices=indices, updates=updates))))
+    assert input.dtype in _SCATTER_ND_DTYPES and updates.dtype == input.dtype, (input.dtype, updates.dtype)
+    assert 1 <= input.dim() <= 8, input.shape
+    assert indices.dtype in (torch.int32, torch.int64) and indices.dim() >= 2, (indices.dtype, indices.shape)
+    depth = indices.shape[-1]
+    assert depth <= input.dim(), (indices.shape, input.shape)
+    assert updates.shape == indices.shape[:-1] + input.shape[depth:], (updates.shape, indices.shape, input.shape)
+    flat = indices.reshape(-1, depth).long()
+    assert bool(((flat >= 0) & (flat < torch.tensor(input.shape[:depth]))).all()), "indices out of range"
+    input[tuple(flat.t())] = updates.reshape(-1, *input.shape[depth:])
+    return input
 
 
 # ------------------------------------------------------------------------------------ torch.npu
@@ -310,6 +473,8 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
 
 
 def _copy_from(src, dst, non_blocking=False):
+    if _MODE.recording is not None:  # torch.tensor(data, device="npu"): a host-to-device copy
+        raise HostSyncInCapture("a host-to-device copy inside torch.npu.graph (not capturable)")
     _unwrap(dst).copy_(_unwrap(src))
     return dst
 
