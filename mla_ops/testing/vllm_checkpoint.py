@@ -1,5 +1,7 @@
 """Small DeepSeek-V2-shaped checkpoints for the vLLM tests and benchmark (random weights, nothing downloaded),
-and DeepSeek-V3.2-shaped ones (DeepSeek Sparse Attention: q-LoRA plus a lightning indexer per layer).
+DeepSeek-V3.2-shaped ones (DeepSeek Sparse Attention: q-LoRA plus a lightning indexer per layer) and GLM-5-shaped
+ones (`GlmMoeDsaForCausalLM`: the same attention, indexer RoPE interleaved, layers that reuse an earlier
+layer's top-k).
 
 The attention has DeepSeek-V2's latent geometry (kv_lora_rank 512, rope 64: the `[num_blocks, 16, 576]`
 cache that vLLM's CPU MLA backends require), the rest is shrunk so an engine starts in about a minute on
@@ -26,9 +28,10 @@ _TOKENIZER_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "built
 
 def tiny_deepseek_v2_config(num_layers: int = 2, hidden: int = 256, heads: int = 4, max_positions: int = 8192,
                             moe: bool = False, qk_nope_head_dim: int = 64, v_head_dim: int = 64,
-                            intermediate: int | None = None) -> dict:
-    """config.json for a DeepSeek-V2 with V2-Lite's latent geometry (L 512, R 64, q_lora_rank None,
-    YaRN like V2-Lite) and small everything else. `moe=True` makes layers >= 1 MoE (4 experts, top-2).
+                            intermediate: int | None = None, q_lora_rank: int | None = None) -> dict:
+    """config.json for a DeepSeek-V2 with V2-Lite's latent geometry (L 512, R 64, YaRN like V2-Lite) and small
+    everything else. `moe=True` makes layers >= 1 MoE (4 experts, top-2). `q_lora_rank`: None (V2-Lite: one
+    q_proj) or the rank of a query LoRA (q_a_proj -> RMSNorm -> q_b_proj, as DeepSeek-V2/V3/V3.2).
 
     The defaults are the small test model (hidden 256, 4 heads, per-head nope / v dims 64). V2-Lite's own
     attention is `hidden=2048, heads=16, qk_nope_head_dim=128, v_head_dim=128`
@@ -38,7 +41,7 @@ def tiny_deepseek_v2_config(num_layers: int = 2, hidden: int = 256, heads: int =
         "vocab_size": 1024, "hidden_size": hidden,
         "intermediate_size": 2 * hidden if intermediate is None else intermediate,
         "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-        "q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": qk_nope_head_dim,
+        "q_lora_rank": q_lora_rank, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": qk_nope_head_dim,
         "v_head_dim": v_head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-6,
         "first_k_dense_replace": 1 if moe else num_layers, "moe_layer_freq": 1,
         # transformers' config insists on ints here; dense layers come from first_k_dense_replace
@@ -54,8 +57,8 @@ def tiny_deepseek_v2_config(num_layers: int = 2, hidden: int = 256, heads: int =
 
 
 # DeepSeek-V2-Lite's attention dimensions (its config.json), as keyword arguments of
-# tiny_deepseek_v2_config / write_checkpoint: with kv_lora_rank 512, qk_rope_head_dim 64 and q_lora_rank None,
-# which every config here has.
+# tiny_deepseek_v2_config / write_checkpoint: with kv_lora_rank 512 and qk_rope_head_dim 64, which every config
+# here has, and q_lora_rank None, the default.
 V2_LITE_ATTENTION = {"hidden": 2048, "heads": 16, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
@@ -69,11 +72,42 @@ def tiny_deepseek_v32_config(index_topk: int = 32, index_n_heads: int = 16, inde
     Plain RoPE (no YaRN): the checkpoint is compared with transformers' `DeepseekV32ForCausalLM`, and the
     two libraries spell DeepSeek's YaRN config differently. 16 indexer heads keep exact score ties
     (every head's ReLU at 0) out of the top-k boundary, where the two libraries' tie orders differ."""
-    cfg = tiny_deepseek_v2_config(**v2_config)
+    cfg = tiny_deepseek_v2_config(q_lora_rank=q_lora_rank, **v2_config)
     cfg.update({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
-                "q_lora_rank": q_lora_rank, "index_topk": index_topk, "index_n_heads": index_n_heads,
+                "index_topk": index_topk, "index_n_heads": index_n_heads,
                 "index_head_dim": index_head_dim, "rope_scaling": None})
     return cfg
+
+
+def tiny_glm_moe_dsa_config(index_topk: int = 32, index_n_heads: int = 16, index_head_dim: int = 128,
+                            q_lora_rank: int = 128, index_topk_freq: int = 1, index_skip_topk_offset: int = 2,
+                            **v2_config) -> dict:
+    """config.json for a GLM-5 (`GlmMoeDsaForCausalLM`, transformers' `glm_moe_dsa`): DeepSeek Sparse Attention
+    as :func:`tiny_deepseek_v32_config` (which takes the other arguments), with what GLM-5 changes.
+
+    * The indexer rotates its queries and keys with interleaved RoPE (transformers' `GlmMoeDsaIndexer`
+      always does; DeepSeek-V3.2's indexer rotates half-split). vLLM reads that from the config key
+      `indexer_rope_interleave`, which GLM-5's Hub configs set to true; it is written here for the same
+      reason (without it vLLM's indexer would rotate half-split and select other positions).
+    * IndexCache (GLM-5.1 / 5.2): layer i runs its own indexer when
+      `max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0` and otherwise reuses the top-k of the
+      last layer that ran one (vLLM's `DeepseekV2MLAAttention` and transformers' `indexer_types` derive the
+      same pattern from these two keys). The default (freq 1) runs an indexer in every layer, as GLM-5.
+    * RoPE in transformers' newer spelling (`rope_parameters`), plain (no YaRN), as GLM-5's."""
+    cfg = tiny_deepseek_v32_config(index_topk=index_topk, index_n_heads=index_n_heads,
+                                   index_head_dim=index_head_dim, q_lora_rank=q_lora_rank, **v2_config)
+    cfg.pop("rope_scaling")
+    cfg.update({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")},
+                "rope_interleave": True, "indexer_rope_interleave": True,
+                "index_topk_freq": index_topk_freq, "index_skip_topk_offset": index_skip_topk_offset})
+    return cfg
+
+
+def runs_indexer(cfg: dict, layer: int) -> bool:
+    """Whether `layer` of a DSA config computes its own top-k (False: it reuses an earlier layer's)."""
+    freq, offset = cfg.get("index_topk_freq", 1), cfg.get("index_skip_topk_offset", 2)
+    return max(layer - offset + 1, 0) % freq == 0
 
 
 def _indexer_weights(cfg: dict, prefix: str, normal) -> dict[str, torch.Tensor]:
@@ -117,7 +151,7 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.q_a_proj.weight"] = normal(q_lora, h, std=1.0 / math.sqrt(h))
             w[p + "self_attn.q_a_layernorm.weight"] = torch.ones(q_lora)
             w[p + "self_attn.q_b_proj.weight"] = normal(n * (nope + rope), q_lora, std=2.0 / math.sqrt(q_lora))
-        if "index_topk" in cfg:
+        if "index_topk" in cfg and runs_indexer(cfg, i):
             w.update(_indexer_weights(cfg, p + "self_attn.indexer.", normal))
         w[p + "self_attn.kv_a_proj_with_mqa.weight"] = normal(lat + rope, h, std=1.0 / math.sqrt(h))
         w[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(lat)
@@ -148,7 +182,7 @@ def write_checkpoint(path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     """Write config.json, model.safetensors and the built-in tokenizer into `path` (created).
 
     `config_overrides` go to :func:`tiny_deepseek_v2_config` (num_layers, hidden, heads, max_positions, moe,
-    qk_nope_head_dim, v_head_dim, intermediate).
+    qk_nope_head_dim, v_head_dim, intermediate, q_lora_rank).
     Returns the directory, loadable by `vllm.LLM(model=str(path))`.
     """
     return _write(path, tiny_deepseek_v2_config(**config_overrides), seed, dtype)
@@ -160,6 +194,14 @@ def write_sparse_checkpoint(path, *, seed: int = 0, dtype: torch.dtype = torch.f
     :func:`tiny_deepseek_v32_config` (index_topk, index_n_heads, index_head_dim, q_lora_rank and those of
     :func:`tiny_deepseek_v2_config`). Loadable by `vllm.LLM` and transformers' `DeepseekV32ForCausalLM`."""
     return _write(path, tiny_deepseek_v32_config(**config_overrides), seed, dtype)
+
+
+def write_glm_dsa_checkpoint(path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                             **config_overrides) -> pathlib.Path:
+    """:func:`write_checkpoint` for a GLM-5 (`GlmMoeDsaForCausalLM`): `config_overrides` go to
+    :func:`tiny_glm_moe_dsa_config`. Layers that reuse an earlier layer's top-k have no indexer weights, as in
+    GLM's checkpoints. Loadable by `vllm.LLM` and transformers' `GlmMoeDsaForCausalLM`."""
+    return _write(path, tiny_glm_moe_dsa_config(**config_overrides), seed, dtype)
 
 
 def _write(path, cfg: dict, seed: int, dtype: torch.dtype) -> pathlib.Path:

@@ -23,7 +23,8 @@ import time
 def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32", enforce_eager: bool = True,
             max_model_len: int = 1024, max_num_seqs: int = 8, kv_cache_mb: int = 256,
             tensor_parallel_size: int = 1, logprobs: int = 5, timeout: float = 900, extra_env=None,
-            attention_backend: str | None = None, route: str | None = None, count_ops: bool = False) -> dict:
+            attention_backend: str | None = None, route: str | None = None, count_ops: bool = False,
+            engine_args: dict | None = None, record_steps: bool = False) -> dict:
     """Start one engine on `model` in a child process, run `jobs` in order, return the report (dict).
 
     `enforce_eager=False` runs vLLM's default compiled model (torch.compile), as `vllm serve` does.
@@ -31,6 +32,10 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     `MLA_OPS_VLLM_ROUTE` for the child (None: inherited, default "auto"). `count_ops`: profile every
     worker while the jobs run and report the dispatcher calls of `mla::*` and vLLM's `_C::*` ops
     (`op_counts`), counted by torch.profiler inside the engine, independently of the plugin.
+    `engine_args`: further `vllm.LLM` keyword arguments (`enable_chunked_prefill`, `max_num_batched_tokens`,
+    ...). `record_steps` (TP 1: the engine runs in the child) reports `steps`: the request layout of every
+    engine step that ran a sparse MLA model, as the plugin's sparse metadata builder received it, one
+    `{"query_lens": [...], "seq_lens": [...]}` per step, requests in batch order.
 
     Each job: `{"prompts": [[token ids], ...], "max_tokens": int, "timed": bool (optional), "warmup":
     "full" | "short" (optional, timed jobs)}`; greedy, `ignore_eos` (every prompt generates exactly
@@ -41,7 +46,8 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     steps), `prefill_s` (the steps up to the first full-batch decode step: prefills and first tokens),
     `decode_step_s` (sorted times of the full-batch decode steps), `decode_s` (their sum),
     `decode_step_median_s`, `total_s`, `mqa_call_s` (sorted times of every decode attention call,
-    `forward_mqa`, of every layer); its outputs carry token ids only. Timed jobs need the in-process
+    `forward_mqa`, of every layer, in the full-batch decode steps), `indexer_call_s` (the same for a
+    sparse model's indexer, empty for dense models); its outputs carry token ids only. Timed jobs need the in-process
     engine (TP 1).
 
     Report: `{"vllm": version, "layers": [{"layer", "impl", "backend"}] (every worker's), "calls":
@@ -53,10 +59,14 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     "log": tail of the child's output, "plugin_log": its lines that mention mla-ops}`.
     Raises RuntimeError with the child's output tail on failure.
     """
+    if record_steps and tensor_parallel_size != 1:
+        raise ValueError("record_steps=True needs tensor_parallel_size=1 (the steps are recorded in the "
+                         "engine's own process)")
     spec = dict(model=str(model), jobs=jobs, dtype=dtype, enforce_eager=enforce_eager,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_mb=kv_cache_mb,
                 tensor_parallel_size=tensor_parallel_size, logprobs=logprobs,
-                attention_backend=attention_backend, count_ops=count_ops)
+                attention_backend=attention_backend, count_ops=count_ops, engine_args=engine_args or {},
+                record_steps=record_steps)
     env = dict(os.environ)
     env.update({"MLA_OPS_VLLM_PLUGIN": "1" if plugin else "0",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tensor_parallel_size == 1 else "1",
@@ -156,9 +166,10 @@ def _outputs(request_outputs) -> list[dict]:
     return rows
 
 
-def _stepped(llm, prompts, params) -> tuple[list[dict], list[float], list[bool]]:
+def _stepped(llm, prompts, params) -> tuple[list[dict], list[float], list[bool], list[dict]]:
     """Run the prompts by stepping the engine (in-process engine core: each step() is one model step),
-    timing every step. Returns (outputs, step times, full-batch-decode flags): a step is flagged when
+    timing every step. Returns (outputs, step times, full-batch-decode flags, the timed calls of each step
+    `{"mqa": [s, ...], "indexer": [s, ...]}`, see :func:`_time_attention_calls`): a step is flagged when
     every request of the batch got one token in it and none got its first (no prefill in the step, no
     request finished before it) - the steady decode step of the whole batch. vLLM may spread the batch's
     prefills over several steps (its token budget), so the first steps can mix prefill and decode."""
@@ -171,48 +182,76 @@ def _stepped(llm, prompts, params) -> tuple[list[dict], list[float], list[bool]]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     tokens: dict[str, list[int]] = {i: [] for i in ids}
-    times, full_decode = [], []
+    times, full_decode, step_calls = [], [], []
     while engine.has_unfinished_requests():
+        before = {kind: len(calls) for kind, calls in _CALL_TIMES.items()}
         t = time.perf_counter()
         outs = engine.step()
         times.append(time.perf_counter() - t)
+        step_calls.append({kind: calls[before[kind]:] for kind, calls in _CALL_TIMES.items()})
         new = {o.request_id: list(o.outputs[0].token_ids) for o in outs}
         first_tokens = any(not tokens[r] for r in new)
         whole_batch = len(new) == len(ids) and all(len(v) == 1 for v in new.values())
         full_decode.append(whole_batch and not first_tokens)
         for r, v in new.items():
             tokens[r].extend(v)
-    return [{"token_ids": tokens[i], "logprobs": []} for i in ids], times, full_decode
+    return [{"token_ids": tokens[i], "logprobs": []} for i in ids], times, full_decode, step_calls
 
 
-_MQA_TIMES: list[float] = []
+# seconds of every timed call in this process: decode attention ("mqa") and the sparse models' indexer
+_CALL_TIMES: dict[str, list[float]] = {"mqa": [], "indexer": []}
 # prompt length of a "short" warm-up: a few cache blocks (16 tokens each on CPU_MLA)
 _SHORT_WARMUP_TOKENS = 64
 
 
-def _time_forward_mqa() -> None:
+def _time_attention_calls(sparse: bool) -> None:
     """Time every decode attention call (`forward_mqa`) of vLLM's CPU MLA impls (CPU_MLA, AMX_MLA) and of
     the plugin's, in this process: the share of a step that the backend choice changes, measured inside
-    the running engine. Wraps the methods (same arguments, same result); used by timed jobs only."""
+    the running engine. For a `sparse` model (served by the plugin only), CPU_MLA_SPARSE's `forward_mqa`
+    and every call of its indexer (`MlaOpsIndexer.forward`: projections, key write, top-k) as "indexer".
+    Wraps the methods (same arguments, same result); used by timed jobs only."""
     from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
-    classes = [CPUMLAImpl, AMXMLAImpl]
+    methods = [(CPUMLAImpl, "forward_mqa", "mqa"), (AMXMLAImpl, "forward_mqa", "mqa")]
     if os.environ.get("MLA_OPS_VLLM_PLUGIN", "1") != "0":
         from mla_ops.integrations.vllm.amx import MlaOpsAMXMLAImpl
         from mla_ops.integrations.vllm.cpu import MlaOpsCPUMLAImpl
 
-        classes += [MlaOpsCPUMLAImpl, MlaOpsAMXMLAImpl]
-    for cls in classes:
-        original = cls.forward_mqa  # the method the instances run (the plugin's comes from its mixin)
+        methods += [(MlaOpsCPUMLAImpl, "forward_mqa", "mqa"), (MlaOpsAMXMLAImpl, "forward_mqa", "mqa")]
+        if sparse:
+            from mla_ops.integrations.vllm.cpu_sparse import MlaOpsCPUSparseMLAImpl, MlaOpsIndexer
 
-        def timed(self, *args, _original=original, **kwargs):
+            methods += [(MlaOpsCPUSparseMLAImpl, "forward_mqa", "mqa"), (MlaOpsIndexer, "forward", "indexer")]
+    for cls, name, kind in methods:
+        original = getattr(cls, name)  # the method the instances run (the plugin's comes from its mixin)
+
+        def timed(self, *args, _original=original, _calls=_CALL_TIMES[kind], **kwargs):
             t = time.perf_counter()
             result = _original(self, *args, **kwargs)
-            _MQA_TIMES.append(time.perf_counter() - t)
+            _calls.append(time.perf_counter() - t)
             return result
 
-        cls.forward_mqa = timed
+        setattr(cls, name, timed)
+
+
+def _record_sparse_steps(steps: list) -> None:
+    """Wrap the plugin's sparse metadata builder to append each model step's request layout to `steps`.
+    vLLM's profile and warm-up runs build no metadata for sparse layers, so every row is a real step; the
+    indexer caches' builder (layer names `...indexer.k_cache`) sees the same step and is skipped."""
+    from mla_ops.integrations.vllm.cpu_sparse import SparseMetadataBuilder
+
+    original = SparseMetadataBuilder.build
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
+        if not any(name.endswith(".k_cache") for name in self.layer_names):
+            starts = metadata.query_start_loc.tolist()
+            steps.append({"query_lens": [b - a for a, b in zip(starts, starts[1:])],
+                          "seq_lens": metadata.seq_lens.tolist()})
+        return metadata
+
+    SparseMetadataBuilder.build = build
 
 
 def _child(spec_path: str, out_path: str) -> None:
@@ -224,12 +263,17 @@ def _child(spec_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     if any(job.get("timed") for job in spec["jobs"]):
-        _time_forward_mqa()
+        with open(os.path.join(spec["model"], "config.json")) as f:
+            _time_attention_calls(sparse="index_topk" in json.load(f))
+    steps: list = []
+    if spec["record_steps"]:
+        _record_sparse_steps(steps)
     llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=spec["enforce_eager"],
               max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
               kv_cache_memory_bytes=spec["kv_cache_mb"] << 20,
               tensor_parallel_size=spec["tensor_parallel_size"],
-              seed=0, **({"attention_backend": spec["attention_backend"]} if spec["attention_backend"] else {}))
+              seed=0, **({"attention_backend": spec["attention_backend"]} if spec["attention_backend"] else {}),
+              **spec["engine_args"])
     if spec["count_ops"]:
         llm.collective_rpc(_start_op_profile)
     report = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "jobs": []}
@@ -245,9 +289,9 @@ def _child(spec_path: str, out_path: str) -> None:
             if job.get("warmup", "full") == "short":
                 warmup = [TokensPrompt(prompt_token_ids=p[:_SHORT_WARMUP_TOKENS]) for p in job["prompts"]]
             _stepped(llm, warmup, params(job["max_tokens"]))  # warm-up: first-call costs of every shape
-            _MQA_TIMES.clear()
-            row["outputs"], row["step_s"], flags = _stepped(llm, prompts, params(job["max_tokens"]))
-            row["mqa_call_s"] = sorted(_MQA_TIMES)
+            row["outputs"], row["step_s"], flags, calls = _stepped(llm, prompts, params(job["max_tokens"]))
+            for kind in _CALL_TIMES:  # the calls of the full-batch decode steps
+                row[f"{kind}_call_s"] = sorted(t for step, flag in zip(calls, flags) if flag for t in step[kind])
             decode = sorted(t for t, flag in zip(row["step_s"], flags) if flag)
             if not decode:
                 raise RuntimeError("no full-batch decode step: raise max_tokens")
@@ -278,6 +322,8 @@ def _child(spec_path: str, out_path: str) -> None:
     report["workers"] = len(workers)
     report["worker_plugin_states"] = [w["plugin_state"] for w in workers]
     report["decode_served_by"] = [w["decode_served_by"] for w in workers]
+    if spec["record_steps"]:
+        report["steps"] = steps
     with open(out_path, "w") as f:
         json.dump(report, f)
 

@@ -31,3 +31,15 @@ def tiny_checkpoint(tmp_path_factory):
     from mla_ops.testing.vllm_checkpoint import write_checkpoint
 
     return str(write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v2", seed=0))
+
+
+@pytest.fixture(scope="session")
+def sparse_checkpoint(tmp_path_factory):
+    """A 2-layer DeepSeek-V3.2 (DeepSeek Sparse Attention, index_topk 32, latent 512 + rope 64, q-LoRA 128,
+    4 heads, dense MLPs), fp32 safetensors, with the built-in tokenizer; positions up to 2048."""
+    from harness import INDEX_TOPK, SPARSE_NUM_LAYERS
+
+    from mla_ops.testing.vllm_checkpoint import write_sparse_checkpoint
+
+    return str(write_sparse_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v32", seed=0,
+                                       num_layers=SPARSE_NUM_LAYERS, max_positions=2048, index_topk=INDEX_TOPK))

@@ -1,10 +1,9 @@
 """`mla-ops bench vllm` end to end at a tiny size: both engines, on the backend vLLM picks on this CPU,
 and the kernel-alone comparison against every vLLM decode kernel this CPU runs."""
 import torch
+from harness import AMX
 
 from mla_ops.bench import vllm as bench_vllm
-
-AMX = bool(torch.cpu._is_amx_tile_supported())
 
 
 def test_bench_vllm_times_the_route_on_the_backend_vllm_picks():
@@ -14,6 +13,22 @@ def test_bench_vllm_times_the_route_on_the_backend_vllm_picks():
     assert all(r["attn_call_ms"] > 0 and r["decode_tok_s"] > 0 for r in rows)
     assert rows[0]["attn_vs_vllm"] > 0
     assert "attn ms" in bench_vllm.format_rows(rows)
+
+
+def test_bench_vllm_sparse_family_times_the_sparse_backend_against_dense_mla_on_both_routes():
+    # a 64-token context over a top-16 selection: the sparse side attends to a quarter of what dense MLA does
+    rows = bench_vllm.measure(family="deepseek_v32", contexts=(64,), batch_sizes=(2,), decode_tokens=4,
+                              num_layers=1, index_topk=16)
+    dense = "AMX_MLA" if AMX else "CPU_MLA"
+    assert [(r["backend"], r["attention_backend"], r["route"]) for r in rows] == [
+        ("mla-ops", "CPU_MLA_SPARSE", "mla-ops"), ("mla-ops dense", dense, "mla-ops"), ("vllm dense", dense, "vllm")]
+    sparse = rows[0]
+    # the step's attention is the indexer's call and the sparse attention's, both timed inside the engine
+    assert 0 < sparse["indexer_call_ms"] < sparse["attn_call_ms"]
+    assert all("indexer_call_ms" not in r for r in rows[1:])
+    assert sparse["tok_s_vs_dense"] > 0 and sparse["tok_s_vs_vllm"] > 0 and "tok_s_vs_vllm" not in rows[2]
+    table = bench_vllm.format_rows(rows)
+    assert "tok/s vs dense" in table and "CPU_MLA_SPARSE" in table
 
 
 def test_bench_vllm_kernel_rows_cover_every_host_kernel_of_this_cpu():

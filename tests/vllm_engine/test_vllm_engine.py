@@ -12,11 +12,10 @@ decode.
 import os
 
 import pytest
-import torch
+from harness import AMX, AMX_ENGINE, AUTO_STATE, SPARSE_STATE, random_prompts
 
 from mla_ops.testing.vllm_engine import run_llm
 
-AMX = bool(torch.cpu._is_amx_tile_supported())
 # what vLLM's CPU platform picks by itself for a bf16 MLA model on this CPU (vllm/platforms/cpu.py)
 AUTO_BACKEND = "AMX_MLA" if AMX else "CPU_MLA"
 IMPLS = {("CPU_MLA", "mla-ops"): "mla_ops.integrations.vllm.cpu.MlaOpsCPUMLAImpl",
@@ -26,28 +25,19 @@ IMPLS = {("CPU_MLA", "mla-ops"): "mla_ops.integrations.vllm.cpu.MlaOpsCPUMLAImpl
 # each host backend's own decode kernel, as the profiler names it
 HOST_DECODE = {"CPU_MLA": "_C::mla_decode_kvcache", "AMX_MLA": "_C::decode_attention_cpu"}
 MLA_OPS = ("mla::mla_decode_attention", "mla::scatter_pa_kv_cache")
-# the plugin's state in every process under the default (measured) route choice, on any CPU
-SPARSE_STATE = "sparse MLA -> mla-ops (CPU_MLA_SPARSE)"
-# AMX_MLA is routed where mla-ops' bf16 decode runs its AMX engine (measured faster than vLLM's AMX kernel)
-AMX_ENGINE = AMX and "DNNL_MAX_CPU_ISA" not in os.environ and os.environ.get("MLA_OPS_NATIVE_AMX") != "0"
-AUTO_STATE = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> {'mla-ops' if AMX_ENGINE else 'vllm'}, {SPARSE_STATE}"
 NUM_LAYERS = 2
 # fp32 end to end: the two decode kernels differ only in summation order (~1e-6 on the attention output,
 # measured); 1e-3 on a logprob leaves room for that to pass through two layers and a peaked softmax.
 FP32_LOGPROB_ATOL = 1e-3
 
 
-def _prompts(lengths, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1024, (n,), generator=gen).tolist() for n in lengths]
-
 
 JOBS = {
-    "len3": {"prompts": _prompts([3], 1), "max_tokens": 40},
-    "len16": {"prompts": _prompts([16], 2), "max_tokens": 40},
-    "len33": {"prompts": _prompts([33], 3), "max_tokens": 40},
-    "mixed_batch": {"prompts": _prompts([1, 7, 15, 16, 17, 31, 50, 64], 4), "max_tokens": 40},
-    "len1000": {"prompts": _prompts([1000], 5), "max_tokens": 40},
+    "len3": {"prompts": random_prompts([3], 1), "max_tokens": 40},
+    "len16": {"prompts": random_prompts([16], 2), "max_tokens": 40},
+    "len33": {"prompts": random_prompts([33], 3), "max_tokens": 40},
+    "mixed_batch": {"prompts": random_prompts([1, 7, 15, 16, 17, 31, 50, 64], 4), "max_tokens": 40},
+    "len1000": {"prompts": random_prompts([1000], 5), "max_tokens": 40},
 }
 
 

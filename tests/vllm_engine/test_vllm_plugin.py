@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from harness import AMX, AMX_ENGINE, AUTO_STATE, SPARSE_STATE
 
 L, R, HEADS, BS = 512, 64, 4, 16
 
@@ -30,14 +31,6 @@ def fresh_plugin(monkeypatch):
 def test_entry_point_is_installed():
     eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
     assert eps.get("mla_ops") == "mla_ops.integrations.vllm:register"
-
-
-SPARSE_STATE = "sparse MLA -> mla-ops (CPU_MLA_SPARSE)"
-# mla-ops' bf16 decode runs its AMX engine (measured faster than AMX_MLA) on a CPU with AMX tiles unless
-# oneDNN is capped below AMX or the engine is turned off; only then does the plugin route AMX_MLA
-AMX_ENGINE = (bool(torch.cpu._is_amx_tile_supported()) and "DNNL_MAX_CPU_ISA" not in os.environ
-              and os.environ.get("MLA_OPS_NATIVE_AMX") != "0")
-AUTO_STATE = f"registered: CPU_MLA -> mla-ops, AMX_MLA -> {'mla-ops' if AMX_ENGINE else 'vllm'}, {SPARSE_STATE}"
 
 
 def test_register_routes_cpu_mla_and_amx_mla_where_the_amx_engine_serves_once(fresh_plugin):
@@ -179,7 +172,6 @@ def test_disabled_plugin_does_not_import_vllm():
     assert out.splitlines() == ["disabled by MLA_OPS_VLLM_PLUGIN=0", "[]"]
 
 
-AMX = bool(torch.cpu._is_amx_tile_supported())
 NO_AMX = "vLLM's AMX_MLA decode kernel (SGLang's decode_attention_cpu) needs a CPU with AMX tiles"
 # kind -> (vLLM's impl class path, the plugin's, a block size the kernel takes: CPU_MLA 16, AMX_MLA k*32)
 KINDS = {"CPU_MLA": ("vllm.v1.attention.backends.mla.cpu_mla.CPUMLAImpl",

