@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 V2_LITE = dict(num_heads=16, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, rope_dim=64)
-STAGE2_TOKENS = (1, 2, 8, 13, 24)
+STAGE2_TOKENS = (1, 2, 8, 13, 16, 24, 48, 128)
 GATHER_NUM_BLOCKS = 64          # see the module docstring (the sample's sweep used 5513)
 SAMPLE_SWEEP_TOTALS = ((4, 6), (4, 27), (4, 31), (4, 35), (4, 39), (4, 43), (4, 47), (4, 51), (4, 55), (3, 44))
 
@@ -239,7 +239,8 @@ def measure_gather(case: GatherCase, *, tile=None, dtype=torch.bfloat16) -> Dict
 def measure(quick: bool = False, *, log=None) -> List[Dict]:
     """Measure the kernels; rows ``{kernel, case, config, tokens, dtype, aicore_us, total_cycles}``.
 
-    Full: stage 2 at T = 1, 2, 8, 13, 24 for both RoPE layouts; gather on every case of
+    Full: stage 2 at T = 1, 2, 8, 13, 16 (the largest fused count), 24, 48 and 128 (beyond it) for
+    both RoPE layouts; gather on every case of
     :func:`gather_cases` with both tile configurations. Quick: stage 2 at T = 1, 13 (interleaved),
     gather level0 / level9 (selected tile) and heads1_k128_v64 with both tiles.
     """
