@@ -358,6 +358,8 @@ def stage2_sweep_configs():
         C("tile16/nbuf2/unroll[2,1]", unroll_list=(2, 1)),
         C("tile16/nbuf2/valid_shape_optimize", valid_shape_optimize=True),
         C("tile16/nbuf2/rope tile last 8", rope_tile_last=8),
+        C("tile16/nbuf2/rope tile rows 16", rope_tile_t=16),
+        C("tile16/nbuf2/rope tile rows 4", rope_tile_t=4),
         C("tile32/m16/nbuf2", tile_t=32),
         C("tile32/m32/nbuf2", tile_t=32, cube_tiles=((32, 32), (128, 512), (128, 256))),
         C("tile16/nbuf2/rope permute-matmul", rope_impl="permute"),

@@ -23,8 +23,9 @@ Kernel design (chosen by simulated-time exploration, see benchmarks/pypto_tiling
 * RoPE needs even/odd pair access. The host passes free views ``k_pe.view(T, 1, R/2, 2)`` and
   ``cos.view(T, 1, R/2, 1)``, so the pairs are two strided ``pypto.view``s (last index 0 / 1) and the
   rotated halves are assembled into ``k_pe_rot.view(T, 1, R/2, 2)`` (interleaved) or
-  ``k_pe_rot.view(T, 2, R/2, 1)`` (half). All element-wise, in fp32, one vector sub-graph that runs
-  in parallel with the cube tasks -- no transpose, reshape or permutation matmul (those were measured
+  ``k_pe_rot.view(T, 2, R/2, 1)`` (half). All element-wise, in fp32, in 8-row vector tiles (a 16-row tile
+  does not fit the unified buffer and pypto splits the RoPE into two levels), so one level of vector
+  tasks runs in parallel with the cube tasks -- no transpose, reshape or permutation matmul (those were measured
   at 1.5-3x the simulated time). ``Stage2Config(rope_impl="permute")`` keeps the exact
   permutation-matmul variant as a verified fallback (see the config's docstring).
 
@@ -71,12 +72,16 @@ class Stage2Config:
                     None leaves pypto's default (no merge).
     cube_l1_reuse:  ``cube_l1_reuse_setting={-1: n}``; None leaves pypto's default (automatic).
     rope_tile_last: last vector tile dim of the RoPE sub-graph (elements; 32-byte aligned for bf16).
+    rope_tile_t:    token rows of the RoPE sub-graph's vector tile (at most ``tile_t``). 8, half the token
+                    tile: a 16-row tile of the padded pair views does not fit the unified buffer with
+                    its temporaries, and pypto then partitions the RoPE into two dependent levels
+                    (8.03 µs at T=1 against 6.79 with 8 rows, the time of the kv_b part alone).
     valid_shape_optimize: runtime option (static main tile, dynamic tail).
     rope_impl:      how the kernel reaches the rotation pairs. "strided" (default): element-wise on
                     strided pair views of a free ``[T, 1, R/2, 2]`` host view. "permute": an exact 0/1
                     permutation matmul de-interleaves ``[T, R]`` into [evens | odds] (and a second one
                     re-interleaves the interleaved layout) -- slower in the simulation (T=1: 12.4 µs
-                    half / 21.5 µs interleaved against 8.0), kept as the verified fallback should an
+                    half / 21.5 µs interleaved against 6.8), kept as the verified fallback should an
                     NPU toolchain reject the last-dim-1 pair views.
     """
 
@@ -87,6 +92,7 @@ class Stage2Config:
     cube_nbuffer: Optional[int] = 2
     cube_l1_reuse: Optional[int] = None
     rope_tile_last: int = 16
+    rope_tile_t: int = 8
     valid_shape_optimize: bool = False
     rope_impl: str = "strided"
 
@@ -201,6 +207,7 @@ def _build_kernel(dims: _Dims, dtype: torch.dtype, rope_layout: str, mode: str, 
     use_unroll = config.unroll_list is not None
     unroll = list(config.unroll_list or (1,))
     rope_last = config.rope_tile_last
+    rope_rows = min(config.rope_tile_t, TT)
     interleaved = rope_layout == "interleaved"
     strided = config.rope_impl == "strided"
     pe_in_shape, cs_shape = ([DYN, 1, R2, 2], [DYN, 1, R2, 1]) if strided else ([DYN, R], [DYN, R2])
@@ -216,7 +223,7 @@ def _build_kernel(dims: _Dims, dtype: torch.dtype, rope_layout: str, mode: str, 
     @pypto.frontend.function
     def _rope_strided(kpe, cos, sin, kpe_out, off, valid):
         # fp32 on the pair views: x[2i] at last index 0, x[2i+1] at last index 1.
-        pypto.set_vec_tile_shapes(TT, 1, R2, rope_last)
+        pypto.set_vec_tile_shapes(rope_rows, 1, R2, rope_last)
         x0 = pypto.cast(pypto.view(kpe, [TT, 1, R2, 1], [off, 0, 0, 0], valid_shape=[valid, 1, R2, 1]), f32)
         x1 = pypto.cast(pypto.view(kpe, [TT, 1, R2, 1], [off, 0, 0, 1], valid_shape=[valid, 1, R2, 1]), f32)
         c = pypto.view(cos, [TT, 1, R2, 1], [off, 0, 0, 0], valid_shape=[valid, 1, R2, 1])
