@@ -23,8 +23,8 @@ Kernel design (chosen by simulated-time exploration, see benchmarks/pypto_tiling
 * RoPE needs even/odd pair access. The host passes free views ``k_pe.view(T, 1, R/2, 2)`` and
   ``cos.view(T, 1, R/2, 1)``, so the pairs are two strided ``pypto.view``s (last index 0 / 1) and the
   rotated halves are assembled into ``k_pe_rot.view(T, 1, R/2, 2)`` (interleaved) or
-  ``k_pe_rot.view(T, 2, R/2, 1)`` (half). All element-wise, in fp32, in 8-row vector tiles (a 16-row tile
-  does not fit the unified buffer and pypto splits the RoPE into two levels), so one level of vector
+  ``k_pe_rot.view(T, 2, R/2, 1)`` (half). All element-wise, in fp32, in 8-row vector tiles (with 16-row tiles
+  pypto splits the RoPE into two levels), so one level of vector
   tasks runs in parallel with the cube tasks -- no transpose, reshape or permutation matmul (those were measured
   at 1.5-3x the simulated time). ``Stage2Config(rope_impl="permute")`` keeps the exact
   permutation-matmul variant as a verified fallback (see the config's docstring).
@@ -73,8 +73,9 @@ class Stage2Config:
     cube_l1_reuse:  ``cube_l1_reuse_setting={-1: n}``; None leaves pypto's default (automatic).
     rope_tile_last: last vector tile dim of the RoPE sub-graph (elements; 32-byte aligned for bf16).
     rope_tile_t:    token rows of the RoPE sub-graph's vector tile (at most ``tile_t``). 8, half the token
-                    tile: a 16-row tile of the padded pair views does not fit the unified buffer with
-                    its temporaries, and pypto then partitions the RoPE into two dependent levels
+                    tile: with 16 rows pypto partitions the RoPE into two dependent levels (a 16-row
+                    tile of the padded pair views is 16 KiB; with its temporaries, likely more than
+                    the unified buffer holds)
                     (8.03 µs at T=1 against 6.79 with 8 rows, the time of the kv_b part alone).
     valid_shape_optimize: runtime option (static main tile, dynamic tail).
     rope_impl:      how the kernel reaches the rotation pairs. "strided" (default): element-wise on
