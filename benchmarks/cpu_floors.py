@@ -1,12 +1,13 @@
 """Compute and memory floors of this CPU for the absorbed MLA decode kernel.
 
 Measures, on `--threads` cores (OpenMP, one thread per core):
-  * fp32 FMA peak: independent chains of vfmadd231ps (512-bit and 256-bit), GFLOP/s;
+  * fp32 FMA peak: independent chains of vfmadd231ps (512-bit where the CPU has AVX-512, and 256-bit), GFLOP/s;
   * bf16 dot peak: independent chains of vdpbf16ps (512-bit; only where the CPU has AVX512-BF16);
   * bf16 GEMM throughput of torch.matmul (oneDNN; on AMX tiles where the CPU has them): the practical
     AMX peak, where the CPU has AMX;
-  * read bandwidth: every thread sums its share of a buffer, once for a DRAM-sized buffer and once
-    for one that fits the last-level cache (the B=1 cache of 4.7 MB stays there between decode steps);
+  * read bandwidth (512-bit loads where the CPU has AVX-512, else 256-bit): every thread sums its
+    share of a buffer, once for a DRAM-sized buffer and once for one that fits the last-level cache
+    (the B=1 cache of 4.7 MB stays there between decode steps);
 and prints, for each decode case (bf16, N=16, L=512, R=64), the work (2 flops per multiply-add:
 N*(L+R) for the scores plus N*L for P . latent per cached token), the bytes of the cache read, and
 the time floors they imply: compute at each peak, memory at the matching bandwidth.
@@ -65,33 +66,46 @@ static double peak(int threads, int64_t iters, double flops_per_step, Step step,
   return best;
 }
 
+// The AVX-512 kernels exist where -march=native enables AVX-512 (an OpenMP region is outlined into a
+// function of its own, so a target attribute on the caller would not reach its loop); elsewhere they
+// return -1 and the script reports n/a.
+#ifdef __AVX512F__
 double fma512(int threads, int64_t iters) {
   return peak<16, __m512>(threads, iters, 32.0,
                           [](__m512 a, __m512 x) { return _mm512_fmadd_ps(x, x, a); }, _mm512_set1_ps(1e-7f));
 }
+#else
+double fma512(int, int64_t) { return -1; }
+#endif
 
 double fma256(int threads, int64_t iters) {
   return peak<12, __m256>(threads, iters, 16.0,
                           [](__m256 a, __m256 x) { return _mm256_fmadd_ps(x, x, a); }, _mm256_set1_ps(1e-7f));
 }
 
-__attribute__((target("avx512bf16,avx512f,avx512bw")))
+#ifdef __AVX512BF16__
 double dpbf16(int threads, int64_t iters) {
   return peak<16, __m512>(threads, iters, 64.0,
-                          [](__m512 a, __m512 x) __attribute__((target("avx512bf16,avx512f"))) {
-                            return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)x);
-                          },
+                          [](__m512 a, __m512 x) { return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)x); },
                           _mm512_set1_ps(1e-7f));
 }
+#else
+double dpbf16(int, int64_t) { return -1; }
+#endif
 
 // Bytes per second reading `bytes` (split over the threads) `passes` times inside one parallel
 // region (a small buffer is read many times, so the region's start-up cost does not count); best
-// of 5 after one warm-up.
-double read_bw(int threads, int64_t bytes, int passes) {
-  const int64_t n = bytes / 64 / (4 * threads) * (4 * threads);
-  std::vector<__m512i> buf(n);
+// of 5 after one warm-up. `Vec` is the load width (512-bit where the CPU has AVX-512, else 256-bit),
+// `add` an integer add of two of them.
+template <typename Vec, typename Add>
+static double read_bandwidth(int threads, int64_t bytes, int passes, Add add) {
+  constexpr int64_t width = sizeof(Vec);
+  const int64_t n = bytes / width / (4 * threads) * (4 * threads);
+  std::vector<Vec> buf(n);  // C++17: aligned to the vector type
+  int32_t* words = reinterpret_cast<int32_t*>(buf.data());
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) buf[i] = _mm512_set1_epi32((int)i);
+  for (int64_t i = 0; i < n * width / 4; ++i) words[i] = (int32_t)i;
+  const Vec* v = buf.data();
   double best = 0;
   for (int rep = 0; rep <= 5; ++rep) {
     long long sink = 0;
@@ -100,32 +114,45 @@ double read_bw(int threads, int64_t bytes, int passes) {
     {
       const int tid = omp_get_thread_num();
       const int64_t lo = n / threads * tid, hi = lo + n / threads;
-      __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+      Vec a0 = v[lo], a1 = a0, a2 = a0, a3 = a0;
 #pragma omp barrier
 #pragma omp master
       t0 = now();
       for (int p = 0; p < passes; ++p) {
         for (int64_t i = lo; i < hi; i += 4) {
-          a0 = _mm512_add_epi32(a0, buf[i]);
-          a1 = _mm512_add_epi32(a1, buf[i + 1]);
-          a2 = _mm512_add_epi32(a2, buf[i + 2]);
-          a3 = _mm512_add_epi32(a3, buf[i + 3]);
+          a0 = add(a0, v[i]);
+          a1 = add(a1, v[i + 1]);
+          a2 = add(a2, v[i + 2]);
+          a3 = add(a3, v[i + 3]);
         }
-        asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3));
+        asm volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3));
       }
 #pragma omp barrier
 #pragma omp master
       t1 = now();
-      sink += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+      Vec s = add(add(a0, a1), add(a2, a3));
+      sink += reinterpret_cast<const int32_t*>(&s)[0];
     }
     if (sink == 42) best += 1e-30;
-    if (rep > 0) best = std::max(best, (double)(n * 64) * passes / (t1 - t0));
+    if (rep > 0) best = std::max(best, (double)(n * width) * passes / (t1 - t0));
   }
   return best;
 }
+
+#ifdef __AVX512F__
+double read_bw512(int threads, int64_t bytes, int passes) {
+  return read_bandwidth<__m512i>(threads, bytes, passes, [](__m512i a, __m512i b) { return _mm512_add_epi32(a, b); });
+}
+#else
+double read_bw512(int, int64_t, int) { return -1; }
+#endif
+
+double read_bw256(int threads, int64_t bytes, int passes) {
+  return read_bandwidth<__m256i>(threads, bytes, passes, [](__m256i a, __m256i b) { return _mm256_add_epi32(a, b); });
+}
 """
 
-FUNCTIONS = ["fma512", "fma256", "dpbf16", "read_bw"]
+FUNCTIONS = ["fma512", "fma256", "dpbf16", "read_bw512", "read_bw256"]
 
 
 def decode_case(batch: int, ctx: int) -> dict:
@@ -163,15 +190,18 @@ def main() -> None:
     )
     t = args.threads
     iters = 20_000_000
-    has_bf16 = "avx512_bf16" in open("/proc/cpuinfo").read()
+    flags = set(open("/proc/cpuinfo").read().split())
+    has_avx512, has_bf16 = "avx512f" in flags, "avx512_bf16" in flags
+    read_bw = ext.read_bw512 if has_avx512 else ext.read_bw256
     peaks = {
-        "fp32_fma_512_gflops": ext.fma512(t, iters) / 1e9,
+        "fp32_fma_512_gflops": ext.fma512(t, iters) / 1e9 if has_avx512 else None,
         "fp32_fma_256_gflops": ext.fma256(t, iters) / 1e9,
         "bf16_dot_512_gflops": ext.dpbf16(t, iters) / 1e9 if has_bf16 else None,
         "bf16_gemm_gflops": bf16_gemm_gflops(t),
-        "read_dram_gbs": ext.read_bw(t, 1 << 30, 1) / 1e9,
-        "read_llc_4p7mb_gbs": ext.read_bw(t, 4_718_592, 100) / 1e9,
+        "read_dram_gbs": read_bw(t, 1 << 30, 1) / 1e9,
+        "read_llc_4p7mb_gbs": read_bw(t, 4_718_592, 100) / 1e9,
     }
+    fp32_peak = max(v for v in (peaks["fp32_fma_512_gflops"], peaks["fp32_fma_256_gflops"]) if v is not None)
     cases = []
     for batch, ctx in ((1, 4096), (8, 4096), (1, 16384), (8, 16384)):
         c = decode_case(batch, ctx)
@@ -179,7 +209,7 @@ def main() -> None:
         bw = peaks["read_llc_4p7mb_gbs"] if fits_llc else peaks["read_dram_gbs"]
         c["memory_floor_ms"] = c["cache_mb"] / 1e3 / bw * 1e3
         c["memory_level"] = "LLC" if fits_llc else "DRAM"
-        c["fp32_floor_ms"] = c["gflop"] / peaks["fp32_fma_512_gflops"] * 1e3
+        c["fp32_floor_ms"] = c["gflop"] / fp32_peak * 1e3
         if peaks["bf16_dot_512_gflops"]:
             c["bf16_floor_ms"] = c["gflop"] / peaks["bf16_dot_512_gflops"] * 1e3
         c["bf16_gemm_floor_ms"] = c["gflop"] / peaks["bf16_gemm_gflops"] * 1e3

@@ -446,6 +446,30 @@ def test_gather_seq_offset_and_strided_outputs(ext):
     assert torch.equal(kf, rk) and torch.equal(vf, rv)
 
 
+@pytest.mark.parametrize("layout", ["row-major", "size-1 dim strided", "transposed"])
+def test_gather_functional_outputs_are_clones_in_the_inputs_layout(ext, layout):
+    """The functional gather's outputs are copies of key / value (their rows beyond the gathered ones
+    included) with empty_like's strides, the layout its fake kernel promises, for every input layout."""
+    block_size, lens = 4, [6, 3]
+    key_cache, value_cache, tables, cum, _ = paged_case(20, block_size, lens, key_shape=(1, 16), value_shape=(1, 8))
+    rows = sum(lens) + 2
+    dtype = key_cache.dtype
+    key, value = torch.randn(rows, 1, 16).to(dtype), torch.randn(rows, 1, 8).to(dtype)
+    if layout == "size-1 dim strided":  # contiguous, with another stride on its size-1 dim
+        key, value = key.as_strided(key.shape, (16, 7, 1)), value.as_strided(value.shape, (8, 3, 1))
+    elif layout == "transposed":
+        key = torch.randn(16, 1, rows).to(dtype).permute(2, 1, 0)
+        value = torch.randn(8, 1, rows).to(dtype).permute(2, 1, 0)
+    rk, rv = key.clone(), value.clone()
+    torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, cum, rk, rv, is_seq_lens_cumsum=True)
+    kf, vf = native_cpu.gather_pa_kv_cache_functional(
+        key_cache, value_cache, tables, cum, key, value, is_seq_lens_cumsum=True, _ext=ext
+    )
+    assert torch.equal(kf, rk) and torch.equal(vf, rv)
+    assert kf.stride() == torch.empty_like(key).stride() and vf.stride() == torch.empty_like(value).stride()
+    assert kf.data_ptr() != key.data_ptr() and vf.data_ptr() != value.data_ptr()
+
+
 GATHER_BAD = {
     "cumsum not from 0": dict(cumsum=True, seq_lens=[1, 4, 9]),
     "cumsum decreasing": dict(cumsum=True, seq_lens=[0, 5, 3]),

@@ -13,6 +13,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -48,6 +49,13 @@ inline void pin(fVec& v) {
 #else
 inline void pin(fVec&) {}
 #endif
+
+// A new contiguous CPU tensor from ATen's CPU allocator directly: what at::empty returns on CPU, without
+// its trip through the dispatcher (about a third of a one-token kernel's own cost). The kernels here
+// write every element of what they allocate this way.
+inline at::Tensor new_cpu_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::Tensor(at::detail::empty_cpu(sizes, dtype));
+}
 
 // Load fVec::size() consecutive elements of T as fp32 (exact widening for bf16/fp16).
 template <typename T>

@@ -825,7 +825,7 @@ template <typename Positions>
 at::Tensor attend(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const Positions& positions, const std::vector<int64_t>& entries,
                   double softmax_scale) {
-  at::Tensor out = at::empty(q_latent.sizes(), q_latent.options());
+  at::Tensor out = new_cpu_tensor(q_latent.sizes(), q_latent.scalar_type());
   if (q_latent.size(0) == 0 || out.numel() == 0) return out;
   [[maybe_unused]] const Engine engine = choose_engine(q_latent.scalar_type(), geometry_of(q_latent, key_cache, value_cache));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_latent.scalar_type(), "mla_attention", [&] {

@@ -6,14 +6,17 @@
 //   kv         = latent @ kv_b_weight^T                         [B, S, N*(P+V)] (ATen GEMM)
 //   k_nope, value = kv viewed [B, S, N, P+V], heads first       [B, N, S, P], [B, N, S, V]
 //
-// The GEMMs are the same ATen calls the reference makes (at::linear), so with an identical latent
-// they give identical results. Everything between and after them is one vectorised pass per token
+// The GEMMs are the ATen GEMM the reference's at::linear reaches (`project`), so with an identical
+// latent they give identical results. Everything between and after them is one vectorised pass per token
 // row, with no Python and no intermediate tensors except the fp32 squares that feed the mean.
 //
 // Numerics follow the reference kernels operation by operation, so outputs are bit-identical:
-// * RMSNorm: variance = mean(x_fp32^2) is computed by ATen's own mean over the same [B, S, L] fp32
-//   tensor the reference builds (a vector reduction's summation order is an implementation detail
-//   of ATen, different per ISA; calling it is the only way to match it bit for bit). Then
+// * RMSNorm: variance = mean(x_fp32^2). On CPU, ATen's mean is its sum followed by an IEEE division
+//   by the reduced size (aten/src/ATen/native/ReduceOps.cpp, mean_out), so the sum is ATen's own
+//   sum over the same [B, S, L] fp32 tensor the reference builds (a vector reduction's summation
+//   order is an implementation detail of ATen, different per ISA; calling it is the only way to match
+//   it bit for bit) and the division by L happens here, in fp32, per row: the same result without
+//   mean's second pass (its `div_` costs three times the sum on a small call). Then
 //   r = 1 / sqrt(variance + eps) (ATen's rsqrt: a correctly rounded sqrt, then a division),
 //   h = x * r rounded to the input dtype, out = weight * h computed in fp32 and rounded (ATen's
 //   reduced-precision multiply).
@@ -23,7 +26,8 @@
 #include "common.h"
 
 #include <ATen/ops/linear.h>
-#include <ATen/ops/mean.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
 
 #include <cmath>
 
@@ -48,11 +52,29 @@ struct RopeTables {
   int64_t seq_stride;
 };
 
+// The tables as contiguous fp32 (usually what they already are: no copy, no dispatcher call).
+at::Tensor as_f32_contiguous(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat ? t.contiguous() : t.to(at::kFloat).contiguous();
+}
+
 RopeTables rope_tables(const at::Tensor& cos32, const at::Tensor& sin32) {
   const int64_t half = cos32.size(-1);
   const bool batched = cos32.dim() == 3 && cos32.size(0) > 1;
   return {cos32.const_data_ptr<float>(), sin32.const_data_ptr<float>(),
           batched ? cos32.size(1) * half : 0, half};
+}
+
+// x @ weight^T for a [B, S, K] activation, as [B*S, O] rows: the GEMM at::linear computes. Without a
+// bias, linear folds a contiguous 3-D activation to [B*S, K] and calls mm with weight.t()
+// (aten/src/ATen/native/LinearAlgebra.cpp, matmul's fold), so mm_out on those operands is the same
+// kernel with the same operands, minus linear's and matmul's own dispatcher round trips, which cost more
+// than the GEMM on a one-token call. With a bias or a strided activation, linear itself.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if ((bias.has_value() && bias->defined()) || !x.is_contiguous()) return at::linear(x, weight, bias).contiguous();
+  const int64_t rows = x.size(0) * x.size(1);
+  at::Tensor out = new_cpu_tensor({rows, weight.size(0)}, x.scalar_type());
+  if (rows > 0) at::mm_out(out, x.view({rows, x.size(2)}), weight.t());
+  return out;
 }
 
 // Squares of the latent part in fp32: the tensor the reference's `h.pow(2)` makes.
@@ -78,14 +100,15 @@ void squares(const T* compressed, int64_t rows, int64_t L, int64_t width, float*
 
 // RMSNorm of the latent part + RoPE of the rope part for every token row.
 template <typename T>
-void norm_rope(const T* compressed, int64_t B, int64_t S, int64_t L, int64_t R, const float* variance, float eps,
+void norm_rope(const T* compressed, int64_t B, int64_t S, int64_t L, int64_t R, const float* sum_sq, float eps,
                const T* norm_weight, const RopeTables& tab, bool interleaved, T* latent, T* k_pe) {
   const int64_t width = L + R, half = R / 2;
   at::parallel_for(0, B * S, 16, [&](int64_t begin, int64_t end) {
     constexpr int64_t W = fVec::size();
     for (int64_t row = begin; row < end; ++row) {
       const T* x = compressed + row * width;
-      const float r = 1.f / std::sqrt(variance[row] + eps);
+      const float variance = sum_sq[row] / static_cast<float>(L);  // mean_out's div_(L), exact in fp32
+      const float r = 1.f / std::sqrt(variance + eps);
       const fVec rv(r);
       T* o = latent + row * L;
       int64_t d = 0;
@@ -124,10 +147,10 @@ void stage1(const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::
             bool interleaved, at::Tensor& latent, at::Tensor& k_pe) {
   const int64_t B = hidden.size(0), S = hidden.size(1);
   const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
-  const at::Tensor compressed = at::linear(hidden, kv_a_weight, kv_a_bias).contiguous();
+  const at::Tensor compressed = project(hidden, kv_a_weight, kv_a_bias);
   if (B * S == 0) return;
-  at::Tensor sq = at::empty({B, S, L}, hidden.options().dtype(at::kFloat));
-  const at::Tensor cos32 = cos.to(at::kFloat).contiguous(), sin32 = sin.to(at::kFloat).contiguous();
+  at::Tensor sq = new_cpu_tensor({B, S, L}, at::kFloat);
+  const at::Tensor cos32 = as_f32_contiguous(cos), sin32 = as_f32_contiguous(sin);
   const at::Tensor weight = kv_norm_weight.contiguous();
   const RopeTables tab = rope_tables(cos32, sin32);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "mla_kv_prolog", [&] {
@@ -136,10 +159,10 @@ void stage1(const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::
     } else {
       const scalar_t* cp = compressed.const_data_ptr<scalar_t>();
       squares<scalar_t>(cp, B * S, L, L + R, sq.data_ptr<float>());
-      // ATen's reduction, exactly as the reference runs it (see the header comment).
-      const at::Tensor variance = at::mean(sq, {-1}, /*keepdim=*/true).contiguous();
+      // ATen's reduction, exactly as the reference's mean runs it (see the header comment).
+      const at::Tensor sum_sq = at::sum(sq, {-1}, /*keepdim=*/true).contiguous();
       // eps reaches ATen's `variance + eps` as a float scalar: round it the same way.
-      norm_rope<scalar_t>(cp, B, S, L, R, variance.const_data_ptr<float>(), static_cast<float>(eps),
+      norm_rope<scalar_t>(cp, B, S, L, R, sum_sq.const_data_ptr<float>(), static_cast<float>(eps),
                           weight.const_data_ptr<scalar_t>(), tab, interleaved, latent.data_ptr<scalar_t>(),
                           k_pe.data_ptr<scalar_t>());
     }
@@ -154,8 +177,8 @@ std::tuple<at::Tensor, at::Tensor> latent_kv_prolog(const at::Tensor& hidden, co
                                                     const at::Tensor& sin, double eps, bool interleaved) {
   const int64_t B = hidden.size(0), S = hidden.size(1);
   const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
-  at::Tensor latent = at::empty({B, S, L}, hidden.options());
-  at::Tensor k_pe = at::empty({B, S, R}, hidden.options());
+  at::Tensor latent = new_cpu_tensor({B, S, L}, hidden.scalar_type());
+  at::Tensor k_pe = new_cpu_tensor({B, S, R}, hidden.scalar_type());
   stage1(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, interleaved, latent, k_pe);
   return {latent, k_pe};
 }
@@ -167,13 +190,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog(
   const int64_t B = hidden.size(0), S = hidden.size(1);
   const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
   const int64_t N = num_heads, P = qk_nope_head_dim, V = v_head_dim;
-  at::Tensor latent = at::empty({B, S, L}, hidden.options());
-  at::Tensor k_pe = at::empty({B, 1, S, R}, hidden.options());  // same memory order as [B, S, R]
-  at::Tensor k_nope = at::empty({B, N, S, P}, hidden.options());
-  at::Tensor value = at::empty({B, N, S, V}, hidden.options());
+  const at::ScalarType dtype = hidden.scalar_type();
+  at::Tensor latent = new_cpu_tensor({B, S, L}, dtype);
+  at::Tensor k_pe = new_cpu_tensor({B, 1, S, R}, dtype);  // same memory order as [B, S, R]
+  at::Tensor k_nope = new_cpu_tensor({B, N, S, P}, dtype);
+  at::Tensor value = new_cpu_tensor({B, N, S, V}, dtype);
   stage1(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, interleaved, latent, k_pe);
   if (B * S == 0) return {k_nope, value, k_pe};
-  const at::Tensor kv = at::linear(latent, kv_b_weight).contiguous();  // [B, S, N*(P+V)]
+  const at::Tensor kv = project(latent, kv_b_weight, std::nullopt);  // [B*S, N*(P+V)]
   // [B, S, N, P|V] -> [B, N, S, P] and [B, N, S, V]: one pass of row copies.
   const int64_t el = kv.element_size();
   const char* src = static_cast<const char*>(kv.const_data_ptr());

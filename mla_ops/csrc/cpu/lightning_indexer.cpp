@@ -344,7 +344,7 @@ at::Tensor lightning_indexer(const at::Tensor& q, const at::Tensor& weights, con
     TORCH_CHECK(r.seq_len <= std::numeric_limits<int32_t>::max(), prefix("lightning_indexer"),
                 "the native kernel indexes at most 2**31 - 1 cached tokens per request, got ", r.seq_len);
   }
-  at::Tensor out = at::empty({T, topk}, q.options().dtype(at::kInt));
+  at::Tensor out = new_cpu_tensor({T, topk}, at::kInt);
   int32_t* o = out.data_ptr<int32_t>();
   std::fill(o, o + out.numel(), -1);
   if (T == 0) return out;

@@ -15,6 +15,7 @@
 // the ISA builds, chosen when binding, serves the ops even when several are loaded, and so that
 // changing the backend setting can remove them (`unbind`). Fakes and schemas stay in Python.
 #include "checks.h"
+#include "common.h"
 #include "ops.h"
 #include "registration.h"
 
@@ -270,6 +271,19 @@ at::Tensor serve_sparse_mla_attention(const at::Tensor& q_latent, const at::Tens
 }
 
 // ----------------------------------------------------------------------------- CPU-key kernels
+namespace {
+// t.clone(): a tensor with row-major strides by one memcpy into a tensor from the CPU allocator (clone's
+// copy_ is a TensorIterator pass and two dispatcher trips, most of a small gather's cost); any other
+// layout (size-1 dims with other strides included: clone keeps them) by clone.
+at::Tensor clone_strided(const at::Tensor& t) {
+  if (!t.is_contiguous()) return t.clone();
+  at::Tensor out = new_cpu_tensor(t.sizes(), t.scalar_type());
+  if (out.strides() != t.strides()) return t.clone();
+  if (t.numel() > 0) std::memcpy(out.data_ptr(), t.const_data_ptr(), t.nbytes());
+  return out;
+}
+}  // namespace
+
 // (the schema's signatures; gather and scatter have no reasons, so the direct calls are the same)
 at::Tensor decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -294,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor> gather_functional_cpu(const at::Tensor& key_c
   check_gather_pa_kv_cache_args(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset,
                                 is_seq_lens_cumsum, /*functional=*/true);
   // clones keep key's / value's strides (the fake kernel promises empty_like's layout)
-  at::Tensor key_out = key.clone(), value_out = value.clone();
+  at::Tensor key_out = clone_strided(key), value_out = clone_strided(value);
   // the value checks are the in-place op's, and name it (as the reference's functional twin does)
   gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key_out, value_out, seq_offset, is_seq_lens_cumsum);
   return {key_out, value_out};
