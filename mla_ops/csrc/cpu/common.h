@@ -51,8 +51,9 @@ inline void pin(fVec&) {}
 #endif
 
 // A new contiguous CPU tensor from ATen's CPU allocator directly: what at::empty returns on CPU, without
-// its trip through the dispatcher (about a third of a one-token kernel's own cost). The kernels here
-// write every element of what they allocate this way.
+// its trip through the dispatcher (≈ 1.5k instructions an allocation by callgrind, against ≈ 8k for the
+// whole of a one-token decode kernel's own work). The kernels here write every element of what they
+// allocate this way.
 inline at::Tensor new_cpu_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::Tensor(at::detail::empty_cpu(sizes, dtype));
 }
