@@ -31,15 +31,19 @@
 //    token pairs once (the VNNI layout) and the probabilities are rounded to bf16, the rounding the
 //    reference kernel applies too. The softmax denominator sums the rounded probabilities, so
 //    numerator and denominator share the same weights.
-//  * F32Tiles (every build, every dtype): rows converted to fp32 once per tile (fp32 caches read in
-//    place), register-blocked fp32 FMA micro-kernels.
-// Score micro-kernels keep one accumulator per (head, token) with lanes over the dims and reduce
-// a whole register block at once with a transpose-and-add tree (ISA-specific) instead of one
-// horizontal sum per accumulator.
+//  * fp32 FMA (every build, every dtype; `F32Engine`): rows converted to fp32 once per tile (fp32
+//    caches read in place), register-blocked fp32 FMA micro-kernels. On AVX2 (and the portable
+//    build) F32LaneTiles puts the heads in the vector lanes: S^T = rows . Q^T and
+//    O^T += rows^T . P^T as small GEMMs whose broadcast operand is a cached row's element, 12
+//    accumulators per block and no horizontal sums; bf16 rows are widened in "lane order" (two
+//    in-lane unpacks per 16 values), the query and the accumulator sharing that order. On AVX-512,
+//    F32Tiles keeps the lanes over the dims (one accumulator per (head, token), a 4 x 4 block reduced
+//    at once by a transpose-and-add tree), which its 32 registers of 16 lanes make cheap in loads.
 //
 // Positions at or past a row's length (decode) or not listed (sparse) are never read, so whatever
-// sits in unattended slots (NaN/inf included) cannot reach the output. The next tile's rows are
-// prefetched while a tile is computed (a sequence's blocks are scattered over the pool).
+// sits in unattended slots (NaN/inf included) cannot reach the output. The engines that read rows
+// in place prefetch the next tile's rows while a tile is computed (a sequence's blocks are
+// scattered over the pool).
 #include "amx.h"
 #include "ops.h"
 #include "score_blocks.h"
@@ -123,17 +127,64 @@ std::vector<int64_t> attended_lengths(const IndexView& lens, const IndexView& ta
   return out;
 }
 
-// ------------------------------------------------------------------------------ fp32 engine
+// ------------------------------------------------------------------------------ fp32 engines
 
-// Register block of the fp32 P . latent micro-kernel: NH heads x NC output vectors per token step
-// (the score block is score_blocks.h's).
+// Problem geometry shared by the engines and the driver.
+struct Geometry {
+  int64_t N, L, R;
+  int64_t ks3, vs3;  // element strides of a cached row
+};
+
+// A tile's cached rows as fp32 row pointers, for the fp32 engines: fp32 rows with unit stride are
+// read in place, others converted once into a staging buffer whose row stride is padded by one
+// cache line (unpadded, the rows of a tile, 2 KiB apart at L = 512, share a handful of L1 sets).
+template <typename T, int64_t kTile>
+class F32Rows {
+ public:
+  // Stage cached token `i` of the tile (row pointers into the cache).
+  void stage(int64_t i, const T* latent, const T* k_pe) {
+    if (std::is_same_v<T, float> && g_.ks3 == 1) {
+      lat_[i] = reinterpret_cast<const float*>(latent);
+    } else {
+      row_to_f32<T>(lat32_.data() + i * lat_stride_, latent, g_.L, g_.ks3);
+      lat_[i] = lat32_.data() + i * lat_stride_;
+    }
+    if (std::is_same_v<T, float> && g_.vs3 == 1) {
+      pe_[i] = reinterpret_cast<const float*>(k_pe);
+    } else {
+      row_to_f32<T>(pe32_.data() + i * pe_stride_, k_pe, g_.R, g_.vs3);
+      pe_[i] = pe32_.data() + i * pe_stride_;
+    }
+  }
+
+ protected:
+  explicit F32Rows(const Geometry& g)
+      : g_(g),
+        lat_stride_(g.L + 16),
+        pe_stride_(g.R + 16),
+        lat32_(kTile * lat_stride_),
+        pe32_(kTile * pe_stride_),
+        zeros_(std::max(g.L, g.R), 0.f) {}
+
+  // Points rows nt .. (nt rounded up to a multiple of `multiple`, at most kTile) at zeros, so that
+  // micro-kernels may run past nt; returns that row count.
+  int64_t pad(int64_t nt, int64_t multiple) {
+    const int64_t padded = std::min<int64_t>(kTile, (nt + multiple - 1) / multiple * multiple);
+    for (int64_t i = nt; i < padded; ++i) lat_[i] = pe_[i] = zeros_.data();
+    return padded;
+  }
+
+  Geometry g_;
+  int64_t lat_stride_, pe_stride_;
+  std::vector<float> lat32_, pe32_, zeros_;
+  const float* lat_[kTile];
+  const float* pe_[kTile];
+};
+
 #if defined(CPU_CAPABILITY_AVX512)
+// Register block of the head-major fp32 P . latent micro-kernel: NH heads x NC output vectors per
+// token step (the score block is score_blocks.h's).
 constexpr int kAccHeads = 4, kAccVecs = 4;
-#elif defined(CPU_CAPABILITY_AVX2)
-constexpr int kAccHeads = 4, kAccVecs = 3;
-#else
-constexpr int kAccHeads = 4, kAccVecs = 2;
-#endif
 
 // o[h][d0 : d0 + NC*W] += sum_t p[h][t] * rows[t][d0 : ...] for NH heads. Not inlined: inside the
 // driver GCC's register allocation spills the row vectors of this loop.
@@ -171,44 +222,26 @@ inline void f32_acc_heads(float* const* o, const float* const* p, const float* c
     }
   }
 }
-// Problem geometry shared by the engines and the driver.
-struct Geometry {
-  int64_t N, L, R;
-  int64_t ks3, vs3;  // element strides of a cached row
-};
 
-// fp32 tile engine (one per thread). Queries are fp32 [N, L] / [N, R] per sequence.
+// Head-major fp32 tile engine (one per thread): lanes over the dims, scores[n * kTile + t]. With 32
+// registers of 16 lanes, the 4 x 4 blocks load 8 vectors per 16 FMAs. Queries are fp32 [N, L] /
+// [N, R] per sequence.
 template <typename T>
-class F32Tiles {
+class F32Tiles : public F32Rows<T, 16> {
  public:
   using Query = float;
   static constexpr int64_t kTile = 16;
   static constexpr bool kRoundsProbs = false;
+  static constexpr bool kHeadsInLanes = false;
+  static constexpr bool kPrefetchesRows = true;  // the next tile's rows, while this one is computed
 
-  explicit F32Tiles(const Geometry& g)
-      : g_(g), lat32_(kTile * g.L), pe32_(kTile * g.R), zeros_(std::max(g.L, g.R), 0.f) {}
-
-  // Stage cached token `i` of the tile (row pointers into the cache).
-  void stage(int64_t i, const T* latent, const T* k_pe) {
-    if (std::is_same_v<T, float> && g_.ks3 == 1) {
-      lat_[i] = reinterpret_cast<const float*>(latent);
-    } else {
-      row_to_f32<T>(lat32_.data() + i * g_.L, latent, g_.L, g_.ks3);
-      lat_[i] = lat32_.data() + i * g_.L;
-    }
-    if (std::is_same_v<T, float> && g_.vs3 == 1) {
-      pe_[i] = reinterpret_cast<const float*>(k_pe);
-    } else {
-      row_to_f32<T>(pe32_.data() + i * g_.R, k_pe, g_.R, g_.vs3);
-      pe_[i] = pe32_.data() + i * g_.R;
-    }
-  }
+  explicit F32Tiles(const Geometry& g) : F32Rows<T, 16>(g) {}
 
   // scores[n * kTile + t] = q[n] . row[t] (unscaled) for the nt staged tokens (and zero-row padding).
   void scores(const float* ql, const float* qp, int64_t nt, float* scores) {
-    const int64_t padded = pad(nt);
-    std::fill(scores, scores + g_.N * kTile, 0.f);
-    const int64_t N = g_.N, L = g_.L, R = g_.R;
+    const int64_t padded = this->pad(nt, kScoreTokens);
+    std::fill(scores, scores + this->g_.N * kTile, 0.f);
+    const int64_t N = this->g_.N, L = this->g_.L, R = this->g_.R;
     int64_t n = 0;
     for (; n + kScoreHeads <= N; n += kScoreHeads) {
       const float* qlh[kScoreHeads];
@@ -218,19 +251,21 @@ class F32Tiles {
         qph[h] = qp + (n + h) * R;
       }
       for (int64_t t = 0; t < padded; t += kScoreTokens)
-        f32_score_block<kScoreHeads, kScoreTokens>(qlh, lat_ + t, L, qph, pe_ + t, R, scores + n * kTile + t, kTile);
+        f32_score_block<kScoreHeads, kScoreTokens>(qlh, this->lat_ + t, L, qph, this->pe_ + t, R,
+                                                   scores + n * kTile + t, kTile);
     }
     for (; n < N; ++n) {
       const float* qlh[1] = {ql + n * L};
       const float* qph[1] = {qp + n * R};
       for (int64_t t = 0; t < padded; t += kScoreTokens)
-        f32_score_block<1, kScoreTokens>(qlh, lat_ + t, L, qph, pe_ + t, R, scores + n * kTile + t, kTile);
+        f32_score_block<1, kScoreTokens>(qlh, this->lat_ + t, L, qph, this->pe_ + t, R, scores + n * kTile + t,
+                                         kTile);
     }
   }
 
   // acc[n] += sum_t probs[n * kTile + t] * latent[t] for the nt staged tokens.
   void accumulate(const float* probs, int64_t nt, float* acc) {
-    const int64_t N = g_.N, L = g_.L;
+    const int64_t N = this->g_.N, L = this->g_.L;
     int64_t n = 0;
     for (; n + kAccHeads <= N; n += kAccHeads) {
       float* oh[kAccHeads];
@@ -239,27 +274,260 @@ class F32Tiles {
         oh[h] = acc + (n + h) * L;
         ph[h] = probs + (n + h) * kTile;
       }
-      f32_acc_heads<kAccHeads>(oh, ph, lat_, nt, L);
+      f32_acc_heads<kAccHeads>(oh, ph, this->lat_, nt, L);
     }
     for (; n < N; ++n) {
       float* oh[1] = {acc + n * L};
       const float* ph[1] = {probs + n * kTile};
-      f32_acc_heads<1>(oh, ph, lat_, nt, L);
+      f32_acc_heads<1>(oh, ph, this->lat_, nt, L);
+    }
+  }
+};
+#else
+// Heads-in-lanes fp32 micro-kernels. Every head attends over the same rows, so both products are
+// small GEMMs whose M dimension is the heads: S^T[t, heads] = rows[t] . Q^T and
+// O^T[d, heads] += sum_t rows[t][d] * P^T[t, heads]. With the heads in the lanes, one broadcast
+// element of a cached row feeds NV FMAs and no accumulator needs a horizontal reduction. Register
+// block: MT tokens (scores) or MD dims (P . latent) x NV vectors of heads; 6 x 2 = 12 accumulators,
+// 2 operand vectors and the broadcast fit AVX2's 16 registers with enough independent FMA chains to
+// cover the FMA latency.
+constexpr int kLaneVecs = 2;
+template <int NV>
+constexpr int kLaneBlock = NV == 2 ? 6 : 8;
+
+// st[t * np + v * W + lane] = sum_d lat[t][d] * ql_t[d * np + v * W + lane]
+//                           + sum_d pe[t][d] * qp_t[d * np + v * W + lane]
+// for MT tokens and NV vectors of heads (ql_t, qp_t and st point at the head group).
+template <int NV, int MT>
+__attribute__((noinline)) void f32_lane_scores(const float* ql_t, const float* qp_t, int64_t np, const float* const* lat,
+                                               int64_t L, const float* const* pe, int64_t R, float* st) {
+  constexpr int64_t W = fVec::size();
+  fVec acc[MT][NV];
+  for (int t = 0; t < MT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = fVec(0.f);
+  for (int part = 0; part < 2; ++part) {
+    const float* q = part == 0 ? ql_t : qp_t;
+    const int64_t D = part == 0 ? L : R;
+    const float* r[MT];
+    for (int t = 0; t < MT; ++t) r[t] = part == 0 ? lat[t] : pe[t];
+    for (int64_t d = 0; d < D; ++d, q += np) {
+      fVec qv[NV];
+      for (int v = 0; v < NV; ++v) {
+        qv[v] = fVec::loadu(q + v * W);
+        pin(qv[v]);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const fVec b(r[t][d]);
+        for (int v = 0; v < NV; ++v) acc[t][v] = at::vec::fmadd(b, qv[v], acc[t][v]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v].store(st + t * np + v * W);
+}
+
+// acc_t[(d0 + j) * np + v * W + lane] += sum_{t < nt} rows[t][d0 + j] * probs[t * np + v * W + lane]
+// for MD dims and NV vectors of heads (acc_t and probs point at the head group).
+template <int NV, int MD>
+__attribute__((noinline)) void f32_lane_acc(float* acc_t, int64_t np, const float* probs, const float* const* rows,
+                                            int64_t nt, int64_t d0) {
+  constexpr int64_t W = fVec::size();
+  fVec acc[MD][NV];
+  for (int j = 0; j < MD; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = fVec::loadu(acc_t + (d0 + j) * np + v * W);
+  for (int64_t t = 0; t < nt; ++t) {
+    fVec p[NV];
+    for (int v = 0; v < NV; ++v) {
+      p[v] = fVec::loadu(probs + t * np + v * W);
+      pin(p[v]);
+    }
+    const float* r = rows[t] + d0;
+    for (int j = 0; j < MD; ++j) {
+      const fVec b(r[j]);
+      for (int v = 0; v < NV; ++v) acc[j][v] = at::vec::fmadd(b, p[v], acc[j][v]);
+    }
+  }
+  for (int j = 0; j < MD; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v].store(acc_t + (d0 + j) * np + v * W);
+}
+
+// Scores of `count` tokens (count even) for one head group of NV vectors: blocks of kLaneBlock<NV>
+// tokens, then of 4 and 2.
+template <int NV>
+void f32_lane_scores_group(const float* ql_t, const float* qp_t, int64_t np, const float* const* lat, int64_t L,
+                           const float* const* pe, int64_t R, float* st, int64_t count) {
+  constexpr int MT = kLaneBlock<NV>;
+  int64_t t = 0;
+  for (; t + MT <= count; t += MT) f32_lane_scores<NV, MT>(ql_t, qp_t, np, lat + t, L, pe + t, R, st + t * np);
+  for (; t + 4 <= count; t += 4) f32_lane_scores<NV, 4>(ql_t, qp_t, np, lat + t, L, pe + t, R, st + t * np);
+  for (; t < count; t += 2) f32_lane_scores<NV, 2>(ql_t, qp_t, np, lat + t, L, pe + t, R, st + t * np);
+}
+
+// P . latent of nt tokens for one head group of NV vectors, all L dims.
+template <int NV>
+void f32_lane_acc_group(float* acc_t, int64_t np, const float* probs, const float* const* rows, int64_t nt,
+                        int64_t L) {
+  constexpr int MD = kLaneBlock<NV>;
+  int64_t d = 0;
+  for (; d + MD <= L; d += MD) f32_lane_acc<NV, MD>(acc_t, np, probs, rows, nt, d);
+  for (; d < L; ++d) f32_lane_acc<NV, 1>(acc_t, np, probs, rows, nt, d);
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// The fp32 values of a bf16 row (D % 16 == 0) in "lane order": each group of 16 values comes out as
+// values 0-3, 8-11, 4-7, 12-15 of the group, what two in-lane unpacks against zero give from one
+// 256-bit load (a bf16 is the high half of its fp32). Against two widening loads and two shifts per
+// 16 values in source order, this is the cheaper conversion; dot products do not care about the
+// order of their terms as long as both operands share it.
+inline void bf16_to_f32_lane_order(float* dst, const at::BFloat16* src, int64_t D) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), _mm256_unpacklo_epi16(zero, x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d + 8), _mm256_unpackhi_epi16(zero, x));
+  }
+}
+constexpr bool kHasLaneOrder = true;
+#else
+constexpr bool kHasLaneOrder = false;
+#endif
+
+// Heads-in-lanes fp32 tile engine (one per thread): heads padded to np lanes (a multiple of the
+// vector width; the padding heads have zero queries), scores st[t * np + n], and the unit's
+// accumulator kept transposed, acc_t[d * np + n], until `finish`. Queries are fp32 [N, L] / [N, R]
+// per sequence, transposed once per unit.
+template <typename T>
+class F32LaneTiles : public F32Rows<T, 48> {
+ public:
+  using Query = float;
+  static constexpr int64_t kTile = 48;  // a multiple of every token block (6, 8, 4, 2)
+  static constexpr bool kRoundsProbs = false;
+  static constexpr bool kHeadsInLanes = true;
+  // No software prefetch: it converts every row it reads, a block's run of rows is contiguous for the
+  // hardware prefetcher, and requesting the next tile's rows made the kernel 15-25% slower on the
+  // AVX2-only Zen 3 it was measured on (the requests fill the miss buffers the conversion needs).
+  static constexpr bool kPrefetchesRows = false;
+
+  explicit F32LaneTiles(const Geometry& g)
+      : F32Rows<T, 48>(g),
+        np_((g.N + fVec::size() - 1) / fVec::size() * fVec::size()),
+        lane_order_(std::is_same_v<T, at::BFloat16> && kHasLaneOrder && g.ks3 == 1 && g.vs3 == 1 && g.L % 16 == 0 &&
+                    g.R % 16 == 0),
+        qt_((g.L + g.R) * np_),
+        acc_t_(g.L * np_) {}
+
+  int64_t lanes() const { return np_; }
+
+  // Stage cached token `i` of the tile. bf16 rows with unit stride and dims in whole groups of 16
+  // are widened in lane order (bf16_to_f32_lane_order); the transposed query and the accumulator
+  // use the same order (`source`), and `finish` restores the source order.
+  void stage(int64_t i, const T* latent, const T* k_pe) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (lane_order_) {
+        float* lat = this->lat32_.data() + i * this->lat_stride_;
+        float* pe = this->pe32_.data() + i * this->pe_stride_;
+        bf16_to_f32_lane_order(lat, latent, this->g_.L);
+        bf16_to_f32_lane_order(pe, k_pe, this->g_.R);
+        this->lat_[i] = lat;
+        this->pe_[i] = pe;
+        return;
+      }
+    }
+#endif
+    F32Rows<T, 48>::stage(i, latent, k_pe);
+  }
+
+  // A new unit over query row `row` (ql [N, L], qp [N, R]): a zero accumulator, and Q^T [L + R, np]
+  // unless the previous unit was of the same row (a thread's units are consecutive, so a sequence
+  // split over its cores is transposed once per core).
+  void begin(int64_t row, const float* ql, const float* qp) {
+    std::fill(acc_t_.begin(), acc_t_.end(), 0.f);
+    if (row == row_) return;
+    row_ = row;
+    const int64_t N = this->g_.N, L = this->g_.L, R = this->g_.R;
+    for (int64_t d = 0; d < L + R; ++d) {
+      float* dst = qt_.data() + d * np_;
+      for (int64_t n = 0; n < N; ++n) dst[n] = d < L ? ql[n * L + source(d)] : qp[n * R + source(d - L)];
+      std::fill(dst + N, dst + np_, 0.f);
+    }
+  }
+
+  // st[t * np + n] = q[n] . row[t] (unscaled) for the nt staged tokens (rows past nt, up to the next
+  // even count, are zero rows).
+  void scores(int64_t nt, float* st) {
+    const int64_t padded = this->pad(nt, 2);
+    const int64_t L = this->g_.L, R = this->g_.R;
+    constexpr int64_t G = kLaneVecs * fVec::size();
+    for (int64_t n0 = 0; n0 < np_; n0 += G) {
+      const float* ql_t = qt_.data() + n0;
+      const float* qp_t = qt_.data() + L * np_ + n0;
+      if (n0 + G <= np_) {
+        f32_lane_scores_group<kLaneVecs>(ql_t, qp_t, np_, this->lat_, L, this->pe_, R, st + n0, padded);
+      } else {
+        f32_lane_scores_group<1>(ql_t, qp_t, np_, this->lat_, L, this->pe_, R, st + n0, padded);
+      }
+    }
+  }
+
+  // acc_t[d][n] *= alpha[n].
+  void rescale(const float* alpha) {
+    constexpr int64_t W = fVec::size();
+    for (int64_t v = 0; v < np_; v += W) {
+      const fVec a = fVec::loadu(alpha + v);
+      for (int64_t d = 0; d < this->g_.L; ++d) {
+        float* o = acc_t_.data() + d * np_ + v;
+        (fVec::loadu(o) * a).store(o);
+      }
+    }
+  }
+
+  // acc_t[d][n] += sum_t probs[t * np + n] * latent[t][d] for the nt staged tokens.
+  void accumulate(const float* probs, int64_t nt) {
+    constexpr int64_t G = kLaneVecs * fVec::size();
+    for (int64_t n0 = 0; n0 < np_; n0 += G) {
+      if (n0 + G <= np_) {
+        f32_lane_acc_group<kLaneVecs>(acc_t_.data() + n0, np_, probs + n0, this->lat_, nt, this->g_.L);
+      } else {
+        f32_lane_acc_group<1>(acc_t_.data() + n0, np_, probs + n0, this->lat_, nt, this->g_.L);
+      }
+    }
+  }
+
+  // acc[n * L + d] = acc_t[d][n] for the real heads: the unit's accumulator in the merge's layout
+  // (and the source order).
+  void finish(float* acc) const {
+    const int64_t N = this->g_.N, L = this->g_.L;
+    for (int64_t d = 0; d < L; ++d) {
+      const int64_t dim = source(d);
+      for (int64_t n = 0; n < N; ++n) acc[n * L + dim] = acc_t_[d * np_ + n];
     }
   }
 
  private:
-  int64_t pad(int64_t nt) {
-    const int64_t padded = std::min<int64_t>(kTile, (nt + kScoreTokens - 1) / kScoreTokens * kScoreTokens);
-    for (int64_t i = nt; i < padded; ++i) lat_[i] = pe_[i] = zeros_.data();
-    return padded;
+  // The source dim of staged position p (within the latent or the rope part).
+  int64_t source(int64_t p) const {
+    if (!lane_order_) return p;
+    const int64_t q = p % 16;
+    return p - q + (q < 4 || q >= 12 ? q : (q < 8 ? q + 4 : q - 4));
   }
 
-  Geometry g_;
-  std::vector<float> lat32_, pe32_, zeros_;
-  const float* lat_[kTile];
-  const float* pe_[kTile];
+  int64_t np_;
+  bool lane_order_;
+  int64_t row_ = -1;  // the query row qt_ holds
+  std::vector<float> qt_, acc_t_;
 };
+#endif
+
+// The fp32 engine of this build: head-major where 32 registers of 16 lanes make its 4 x 4 blocks
+// cheap in loads; heads in lanes on AVX2's 16 registers (and the portable builds).
+#if defined(CPU_CAPABILITY_AVX512)
+template <typename T>
+using F32Engine = F32Tiles<T>;
+#else
+template <typename T>
+using F32Engine = F32LaneTiles<T>;
+#endif
 
 // ---------------------------------------------------------------------- AVX512-BF16 engine
 #if defined(MLA_BF16_DOT)
@@ -373,6 +641,8 @@ class Bf16DotTiles {
   using Query = at::BFloat16;
   static constexpr int64_t kTile = 32;
   static constexpr bool kRoundsProbs = true;
+  static constexpr bool kHeadsInLanes = false;
+  static constexpr bool kPrefetchesRows = true;  // the next tile's rows, while this one is computed
 
   static bool serves(const Geometry& g) {
     return cpu_has_avx512_bf16() && g.ks3 == 1 && g.vs3 == 1 && g.L % 32 == 0 && g.R % 32 == 0;
@@ -470,6 +740,8 @@ class AmxTiles {
   static constexpr int64_t kTile = 64;
   static constexpr int64_t kRows = 16;
   static constexpr bool kRoundsProbs = true;
+  static constexpr bool kHeadsInLanes = false;
+  static constexpr bool kPrefetchesRows = true;  // the next tile's rows, while this one is computed
 
   static bool serves(const Geometry& g) {
     return g.ks3 == 1 && g.vs3 == 1 && g.L % 32 == 0 && g.R % 32 == 0 && amx_engine_enabled();
@@ -606,6 +878,55 @@ inline fVec round_to_bf16(const fVec& v) {
   return std::get<0>(at::vec::convert_to_float<at::BFloat16>(at::vec::convert_from_float<at::BFloat16>(v, v)));
 }
 
+// A head's running max after a tile whose max score is tile_max. A NaN score (NaN/inf in an
+// attended row) makes the head's output NaN, as in the reference.
+inline float next_max(float m, float tile_max) { return std::isnan(tile_max) ? tile_max : std::max(m, tile_max); }
+
+// One online-softmax step over a tile of lane-major scores st[t * np + n], t < nt, n < np (heads in
+// lanes), with the same arithmetic per head as the head-major step: scales the scores and replaces
+// them by their weights exp(s - m_new) against each head's new running max (0 for heads whose
+// scores so far are all -inf), and updates the running maxima m and sums l. alpha[n] receives the
+// factor head n's accumulator is to be multiplied by; returns whether any accumulated head has one
+// other than 1.
+inline bool lane_softmax(float* st, int64_t nt, int64_t np, float scale, float* m, float* l, float* alpha) {
+  constexpr int64_t W = fVec::size();
+  const fVec sv(scale);
+  for (int64_t v = 0; v < np; v += W) {
+    fVec mx(kNegInf);
+    for (int64_t t = 0; t < nt; ++t) {
+      float* s = st + t * np + v;
+      const fVec x = fVec::loadu(s) * sv;
+      x.store(s);
+      mx = at::vec::maximum(mx, x);
+    }
+    mx.store(alpha + v);  // the tile's max, until the loop below
+  }
+  bool rescale = false;
+  for (int64_t n = 0; n < np; ++n) {
+    const float m_new = next_max(m[n], alpha[n]);
+    if (m_new == kNegInf) {  // nothing to weight yet: m stays -inf, l and the accumulator 0
+      alpha[n] = 1.f;
+      continue;
+    }
+    alpha[n] = std::exp(m[n] - m_new);  // 0 on the first weighted tile (m = -inf)
+    rescale = rescale || (alpha[n] != 1.f && l[n] != 0.f);
+    m[n] = m_new;
+  }
+  for (int64_t v = 0; v < np; v += W) {
+    const fVec mv = fVec::loadu(m + v);
+    const fVec live = mv != fVec(kNegInf);  // all-ones lanes where the head has a finite max
+    fVec sum(0.f);
+    for (int64_t t = 0; t < nt; ++t) {
+      float* s = st + t * np + v;
+      const fVec e = (fVec::loadu(s) - mv).exp_u20() & live;
+      e.store(s);
+      sum = sum + e;
+    }
+    (fVec::loadu(l + v) * fVec::loadu(alpha + v) + sum).store(l + v);
+  }
+  return rescale;
+}
+
 // Attention of every query row over its `entries[row]` entries (where they are cached: `positions`).
 template <typename T, typename Tiles, typename Positions>
 void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
@@ -674,35 +995,37 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   const bool unit_rows = geo.ks3 == 1 && geo.vs3 == 1;
   auto prefetch_tile = [&](int64_t row, int64_t t0, int64_t t1) {
     if (!unit_rows) return;
-    for (int64_t t = t0; t < t1; ++t) {
-      const Slot s = positions.slot(row, t, 1);
+    for (int64_t t = t0; t < t1;) {
+      const Slot s = positions.slot(row, t, t1 - t);  // a run of one block: one slot lookup
+      t += s.run;
       if (s.id < 0 || s.id >= NB) continue;
-      const char* kp = reinterpret_cast<const char*>(kc + s.id * ks0 + s.offset * ks1);
-      const char* vp = reinterpret_cast<const char*>(vc + s.id * vs0 + s.offset * vs1);
-      for (int64_t i = 0; i < lat_bytes; i += 64) __builtin_prefetch(kp + i, 0, 3);
-      for (int64_t i = 0; i < pe_bytes; i += 64) __builtin_prefetch(vp + i, 0, 3);
+      for (int64_t r = 0; r < s.run; ++r) {
+        const char* kp = reinterpret_cast<const char*>(kc + s.id * ks0 + (s.offset + r) * ks1);
+        const char* vp = reinterpret_cast<const char*>(vc + s.id * vs0 + (s.offset + r) * vs1);
+        for (int64_t i = 0; i < lat_bytes; i += 64) __builtin_prefetch(kp + i, 0, 3);
+        for (int64_t i = 0; i < pe_bytes; i += 64) __builtin_prefetch(vp + i, 0, 3);
+      }
     }
   };
 
   at::parallel_for(0, U, 1, [&](int64_t u_begin, int64_t u_end) {
     Tiles tiles(geo);
-    std::vector<float> scores(N * kTile), probs(N * kTile);
     constexpr int64_t W = fVec::size();
+    const int64_t NP = (N + W - 1) / W * W;  // heads padded to whole vectors (the lane engines' layout)
+    std::vector<float> scores(NP * kTile), probs(N * kTile), m_lanes(NP), l_lanes(NP), alpha(NP);
     for (int64_t u = u_begin; u < u_end; ++u) {
       const Unit unit = units[u];
       float* acc = acc_all + u * N * L;
-      std::fill(acc, acc + N * L, 0.f);
       float* m = m_all + u * N;
       float* l = l_all + u * N;
-      std::fill(m, m + N, kNegInf);
-      std::fill(l, l + N, 0.f);
       const Query* qlb = ql_all + unit.row * N * L;
       const Query* qpb = qp_all + unit.row * N * R;
       int64_t t = unit.t0;
-      while (t < unit.t1) {
-        // Gather up to kTile entries, a run of one block at a time; an entry whose block id is out
-        // of range (-1 in an index list; a bad table entry, only reachable unvalidated) is skipped,
-        // never read.
+      // Stages the next tile: up to kTile entries from t on, a run of one block at a time; an entry
+      // whose block id is out of range (-1 in an index list; a bad table entry, only reachable
+      // unvalidated) is skipped, never read. Returns the staged count and, for the engines that
+      // read rows in place, prefetches the tile after.
+      auto stage_tile = [&]() {
         int64_t nt = 0;
         while (nt < kTile && t < unit.t1) {
           const Slot s = positions.slot(unit.row, t, std::min(unit.t1 - t, kTile - nt));
@@ -714,52 +1037,76 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
           }
           t += s.run;
         }
-        if (nt == 0) continue;
-        prefetch_tile(unit.row, t, std::min(unit.t1, t + kTile));
-        tiles.scores(qlb, qpb, nt, scores.data());
-        // Online softmax, one update per tile and head.
-        for (int64_t n = 0; n < N; ++n) {
-          float* sc = scores.data() + n * kTile;
-          float* pr = probs.data() + n * kTile;
-          // Padding past nt is -inf for the max; the probabilities there are set to 0 below.
-          std::fill(sc + nt, sc + kTile, kNegInf);
-          const fVec sv(scale);
-          fVec vmax(kNegInf);
-          for (int64_t i = 0; i < kTile; i += W) {
-            const fVec x = fVec::loadu(sc + i) * sv;
-            x.store(sc + i);
-            vmax = at::vec::maximum(vmax, x);
-          }
-          const float tile_max =
-              at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, vmax);
-          // A NaN score (NaN/inf in an attended row) makes the head's output NaN, as in the reference.
-          const float m_new = std::isnan(tile_max) ? tile_max : std::max(m[n], tile_max);
-          if (m_new == kNegInf) {  // every score so far is -inf: nothing to weight yet
-            std::fill(pr, pr + kTile, 0.f);
-            continue;
-          }
-          const fVec mv(m_new);
-          fVec vsum(0.f);
-          for (int64_t i = 0; i < kTile; i += W) {
-            fVec e = (fVec::loadu(sc + i) - mv).exp_u20();
-            if constexpr (Tiles::kRoundsProbs) e = round_to_bf16(e);
-            if (i + W > nt) e = fVec::set(fVec(0.f), e, std::max<int64_t>(0, nt - i));
-            e.store(pr + i);
-            vsum = vsum + e;
-          }
-          const float sum = hsum(vsum);
-          const float alpha = std::exp(m[n] - m_new);  // 0 on the first tile (m = -inf)
-          if (alpha != 1.f && l[n] != 0.f) {
-            float* o = acc + n * L;
-            const fVec a(alpha);
-            int64_t d = 0;
-            for (; d + W <= L; d += W) (fVec::loadu(o + d) * a).store(o + d);
-            for (; d < L; ++d) o[d] *= alpha;
-          }
-          l[n] = l[n] * alpha + sum;
-          m[n] = m_new;
+        if (Tiles::kPrefetchesRows && nt > 0) prefetch_tile(unit.row, t, std::min(unit.t1, t + kTile));
+        return nt;
+      };
+      if constexpr (Tiles::kHeadsInLanes) {
+        const int64_t np = tiles.lanes();
+        tiles.begin(unit.row, qlb, qpb);
+        std::fill(m_lanes.begin(), m_lanes.end(), kNegInf);
+        std::fill(l_lanes.begin(), l_lanes.end(), 0.f);
+        while (t < unit.t1) {
+          const int64_t nt = stage_tile();
+          if (nt == 0) continue;
+          tiles.scores(nt, scores.data());
+          if (lane_softmax(scores.data(), nt, np, scale, m_lanes.data(), l_lanes.data(), alpha.data()))
+            tiles.rescale(alpha.data());
+          tiles.accumulate(scores.data(), nt);
         }
-        tiles.accumulate(probs.data(), nt, acc);
+        tiles.finish(acc);
+        std::copy_n(m_lanes.begin(), N, m);
+        std::copy_n(l_lanes.begin(), N, l);
+      } else {
+        std::fill(acc, acc + N * L, 0.f);
+        std::fill(m, m + N, kNegInf);
+        std::fill(l, l + N, 0.f);
+        while (t < unit.t1) {
+          const int64_t nt = stage_tile();
+          if (nt == 0) continue;
+          tiles.scores(qlb, qpb, nt, scores.data());
+          // Online softmax, one update per tile and head.
+          for (int64_t n = 0; n < N; ++n) {
+            float* sc = scores.data() + n * kTile;
+            float* pr = probs.data() + n * kTile;
+            // Padding past nt is -inf for the max; the probabilities there are set to 0 below.
+            std::fill(sc + nt, sc + kTile, kNegInf);
+            const fVec sv(scale);
+            fVec vmax(kNegInf);
+            for (int64_t i = 0; i < kTile; i += W) {
+              const fVec x = fVec::loadu(sc + i) * sv;
+              x.store(sc + i);
+              vmax = at::vec::maximum(vmax, x);
+            }
+            const float tile_max =
+                at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, vmax);
+            const float m_new = next_max(m[n], tile_max);
+            if (m_new == kNegInf) {  // every score so far is -inf: nothing to weight yet
+              std::fill(pr, pr + kTile, 0.f);
+              continue;
+            }
+            const fVec mv(m_new);
+            fVec vsum(0.f);
+            for (int64_t i = 0; i < kTile; i += W) {
+              fVec e = (fVec::loadu(sc + i) - mv).exp_u20();
+              if constexpr (Tiles::kRoundsProbs) e = round_to_bf16(e);
+              if (i + W > nt) e = fVec::set(fVec(0.f), e, std::max<int64_t>(0, nt - i));
+              e.store(pr + i);
+              vsum = vsum + e;
+            }
+            const float sum = hsum(vsum);
+            const float alpha_n = std::exp(m[n] - m_new);  // 0 on the first tile (m = -inf)
+            if (alpha_n != 1.f && l[n] != 0.f) {
+              float* o = acc + n * L;
+              const fVec a(alpha_n);
+              int64_t d = 0;
+              for (; d + W <= L; d += W) (fVec::loadu(o + d) * a).store(o + d);
+              for (; d < L; ++d) o[d] *= alpha_n;
+            }
+            l[n] = l[n] * alpha_n + sum;
+            m[n] = m_new;
+          }
+          tiles.accumulate(probs.data(), nt, acc);
+        }
       }
     }
   });
@@ -848,7 +1195,7 @@ at::Tensor attend(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::
         }
 #endif
       }
-      attention_kernel<scalar_t, F32Tiles<scalar_t>>(q_latent, q_pe, key_cache, value_cache, positions, entries,
+      attention_kernel<scalar_t, F32Engine<scalar_t>>(q_latent, q_pe, key_cache, value_cache, positions, entries,
                                                      softmax_scale, out);
     }
   });
