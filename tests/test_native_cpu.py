@@ -879,8 +879,31 @@ def _tiny_calls():
 
 
 def test_every_dispatcher_op_has_a_tiny_call(ext):
-    """The no-Python test below covers every op the extension serves from the dispatcher."""
+    """The no-Python test below, and the benchmark's fixed cost of a call, cover every op the extension
+    serves from the dispatcher."""
+    from mla_ops.bench.native import tiny_arguments
+
     assert set(_tiny_calls()) == set(ext.dispatcher_ops())
+    assert set(tiny_arguments()) == set(ext.dispatcher_ops())
+
+
+def test_the_benchmarks_entry_floor_twins_do_no_work():
+    """`mla-ops bench ops` times every op's schema on a do-nothing C++ kernel (torch's own entry from
+    Python): each twin returns its first tensor argument for every output and writes nothing, and the
+    op's real tiny call runs (so the two columns time the same arguments)."""
+    from mla_ops.bench.native import ENTRY_FLOOR_NAMESPACE, entry_floor_calls, tiny_arguments
+
+    entry_floor_calls()  # defines and binds the twins
+    for name, (args, kwargs) in tiny_arguments().items():
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        before = [t.clone() for t in tensors]
+        outputs = getattr(getattr(torch.ops, ENTRY_FLOOR_NAMESPACE), name)(*args, **kwargs)
+        outputs = () if outputs is None else outputs if isinstance(outputs, tuple) else (outputs,)
+        assert len(outputs) == len(getattr(torch.ops.mla, name).default._schema.returns), name
+        assert all(o.data_ptr() == tensors[0].data_ptr() for o in outputs), name
+        assert all(torch.equal(t, b) for t, b in zip(tensors, before)), name
+        with torch.no_grad():
+            getattr(torch.ops.mla, name)(*args, **kwargs)
 
 
 @pytest.mark.parametrize("op", list(_tiny_calls()))

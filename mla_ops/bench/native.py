@@ -252,9 +252,9 @@ def paged_rows(
     return rows
 
 
-def tiny_calls() -> dict:
-    """One smallest-possible call of every op the native backend serves (a few elements each): what
-    they cost is the path from `torch.ops.mla.<op>` to the kernel, not the kernel."""
+def tiny_arguments() -> dict[str, tuple[tuple, dict]]:
+    """op -> (args, kwargs) of one smallest-possible call of every op the native backend serves (a few
+    elements each): what they cost is the path from `torch.ops.mla.<op>` to the kernel, not the kernel."""
     g = torch.Generator().manual_seed(0)
     heads, lora, rope, block = 1, 16, 4, 16
     q_latent, q_pe = torch.randn(1, heads, lora, generator=g), torch.randn(1, heads, rope, generator=g)
@@ -265,25 +265,59 @@ def tiny_calls() -> dict:
     hidden, kv_a = torch.randn(1, 1, 8, generator=g), torch.randn(lora + rope, 8, generator=g)
     norm_w, kv_b = torch.ones(lora), torch.randn(heads * 2 * 4, lora, generator=g)
     cos, sin = torch.ones(1, rope // 2), torch.zeros(1, rope // 2)
-    mla = torch.ops.mla
+    index_q, index_weights = torch.randn(1, 1, lora, generator=g), torch.ones(1, 1)
+    starts, topk_indices = torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32)
     return {
-        "mla_decode_attention": lambda: mla.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, lens,
-                                                                 0.1),
-        "scatter_pa_kv_cache": lambda: mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots),
-        "gather_pa_kv_cache": lambda: mla.gather_pa_kv_cache(key_cache, value_cache, tables, lens, key, value),
-        "gather_pa_kv_cache_functional": lambda: mla.gather_pa_kv_cache_functional(key_cache, value_cache, tables,
-                                                                                   lens, key, value),
-        "latent_kv_prolog": lambda: mla.latent_kv_prolog(hidden, kv_a, None, norm_w, cos, sin),
-        "kv_prolog": lambda: mla.kv_prolog(hidden, kv_a, None, norm_w, kv_b, cos, sin, num_heads=heads,
-                                           qk_nope_head_dim=4, v_head_dim=4),
+        "mla_decode_attention": ((q_latent, q_pe, key_cache, value_cache, tables, lens, 0.1), {}),
+        "scatter_pa_cache": ((key, key_cache, slots), {}),
+        "lightning_indexer": ((index_q, index_weights, key_cache, tables, lens, starts, 1, 0.1), {}),
+        "sparse_mla_attention": ((q_latent, q_pe, key_cache, value_cache, tables, lens, starts, topk_indices, 0.1), {}),
+        "scatter_pa_kv_cache": ((key, value, key_cache, value_cache, slots), {}),
+        "gather_pa_kv_cache": ((key_cache, value_cache, tables, lens, key, value), {}),
+        "gather_pa_kv_cache_functional": ((key_cache, value_cache, tables, lens, key, value), {}),
+        "latent_kv_prolog": ((hidden, kv_a, None, norm_w, cos, sin), {}),
+        "kv_prolog": ((hidden, kv_a, None, norm_w, kv_b, cos, sin),
+                      {"num_heads": heads, "qk_nope_head_dim": 4, "v_head_dim": 4}),
     }
+
+
+def _bound_call(op, args: tuple, kwargs: dict):
+    return lambda: op(*args, **kwargs)
+
+
+def tiny_calls(namespace: str = "mla") -> dict:
+    """op -> a zero-argument callable making its tiny call through `torch.ops.<namespace>.<op>`."""
+    ops = getattr(torch.ops, namespace)
+    return {name: _bound_call(getattr(ops, name), args, kwargs) for name, (args, kwargs) in tiny_arguments().items()}
+
+
+# The entry floor: every tiny-called op's schema again, in its own namespace, served by a C++ kernel that does
+# nothing (`bind_entry_floor` of the native extension). What its call costs is torch's own path from Python to a
+# kernel for that schema (argument parsing against the schema, keyword lookups, the dispatcher), which no kernel
+# on the dispatcher can undercut: a schema with keyword arguments and defaults pays for each.
+ENTRY_FLOOR_NAMESPACE = "mla_entry_floor"
+_entry_floor_library: Optional[torch.library.Library] = None
+
+
+def entry_floor_calls() -> dict:
+    """op -> its tiny call on the do-nothing twin of its schema (defined once per process)."""
+    global _entry_floor_library
+    if _entry_floor_library is None:
+        names = list(tiny_arguments())
+        library = torch.library.Library(ENTRY_FLOOR_NAMESPACE, "DEF")
+        for name in names:
+            library.define(OPS[name].schema)
+        native_cpu.load().bind_entry_floor(ENTRY_FLOOR_NAMESPACE, names)
+        _entry_floor_library = library
+    return tiny_calls(ENTRY_FLOOR_NAMESPACE)
 
 
 def call_rows(*, rounds: int = 5, min_run_time: float = 0.2) -> list[dict]:
     """The fixed cost of a call: every native op's tiny call against a tiny `torch.bmm` ([1,1,1] x
-    [1,1,1]), under no_grad on one thread, side by side."""
+    [1,1,1]) and against the entry floor of its schema, under no_grad on one thread, side by side."""
     a, b = torch.randn(1, 1, 1), torch.randn(1, 1, 1)
-    variants = {"bmm": lambda: torch.bmm(a, b), **tiny_calls()}
+    calls, floors = tiny_calls(), entry_floor_calls()
+    variants = {"bmm": lambda: torch.bmm(a, b), **calls, **{f"{name} (entry floor)": f for name, f in floors.items()}}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -291,8 +325,14 @@ def call_rows(*, rounds: int = 5, min_run_time: float = 0.2) -> list[dict]:
             res = interleaved_medians(variants, rounds=rounds, min_run_time=min_run_time)
     finally:
         torch.set_num_threads(threads)
-    return [{"op": name, "us": res[name]["median_s"] * 1e6, "bmm_us": res["bmm"]["median_s"] * 1e6,
-             "over_bmm": median_ratio(res, name, "bmm")} for name in variants if name != "bmm"]
+    rows = []
+    for name in calls:
+        floor = f"{name} (entry floor)"
+        rows.append({"op": name, "us": res[name]["median_s"] * 1e6, "entry_floor_us": res[floor]["median_s"] * 1e6,
+                     "bmm_us": res["bmm"]["median_s"] * 1e6, "over_bmm": median_ratio(res, name, "bmm"),
+                     "entry_floor_over_bmm": median_ratio(res, floor, "bmm"),
+                     "above_entry_floor_us": (res[name]["median_s"] - res[floor]["median_s"]) * 1e6})
+    return rows
 
 
 DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (512, 4096, 16384) for b in (1, 8)]
@@ -371,7 +411,9 @@ def format_report(result: dict) -> str:
         ("native_speed_vs_copy", "native x copy_"),
         ("reference_speed_vs_copy", "reference x copy_"),
     ]
-    call_cols = [("op", "op"), ("us", "call us"), ("bmm_us", "tiny bmm us"), ("over_bmm", "x bmm")]
+    call_cols = [("op", "op"), ("us", "call us"), ("bmm_us", "tiny bmm us"), ("over_bmm", "x bmm"),
+                 ("entry_floor_us", "entry floor us"), ("entry_floor_over_bmm", "floor x bmm"),
+                 ("above_entry_floor_us", "us above floor")]
     for title, key, cols in (
         ("fixed cost of a call (tiny inputs, no_grad, 1 thread)", "calls", call_cols),
         ("decode attention (N=16, L=512, R=64)", "decode", dec_cols),

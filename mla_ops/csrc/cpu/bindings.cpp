@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind", &bind, arg("requests"));
   m.def("unbind", &unbind);
   m.def("registration_file", &registration_file);
+  m.def("bind_entry_floor", &bind_entry_floor, arg("namespace"), arg("names"));
 
   m.def("mla_decode_attention", &call_decode_attention, arg("q_latent"), arg("q_pe"), arg("key_cache"),
         arg("value_cache"), arg("block_tables"), arg("seq_lens"), arg("softmax_scale"), py::kw_only(),

@@ -58,6 +58,49 @@ inline at::Tensor new_cpu_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::Tensor(at::detail::empty_cpu(sizes, dtype));
 }
 
+// A tensor over `base`'s memory with other sizes and strides (offset in elements of base's dtype): what
+// `view` / `t` / `as_strided` give, built here without their trips through the dispatcher (≈ 2k
+// instructions each by callgrind, more than a one-token GEMM's own setup). Not an autograd view: for
+// operands of ATen calls inside a kernel only.
+inline at::Tensor alias_with_geometry(const at::Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides,
+                                      int64_t storage_offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(), base.dtype());
+  impl->set_sizes_and_strides(sizes, strides, storage_offset);
+  return at::Tensor(std::move(impl));
+}
+
+// One contiguous tensor of a kernel's scratch (`scratch_tensors`).
+struct ScratchPart {
+  c10::SmallVector<int64_t, 4> sizes;
+  at::ScalarType dtype;
+};
+
+// Contiguous tensors of the given shapes and dtypes carved out of one CPU allocation, each part 64-byte
+// aligned: a kernel's intermediates for the cost of one allocation. The parts share one storage, so
+// none of them may be an op's output (outputs must not alias).
+inline c10::SmallVector<at::Tensor, 6> scratch_tensors(std::initializer_list<ScratchPart> parts) {
+  constexpr int64_t kAlign = 64;
+  c10::SmallVector<int64_t, 6> offsets;
+  int64_t bytes = 0;
+  for (const auto& part : parts) {
+    offsets.push_back(bytes);
+    int64_t numel = 1;
+    for (int64_t size : part.sizes) numel *= size;
+    bytes += (numel * static_cast<int64_t>(c10::elementSize(part.dtype)) + kAlign - 1) / kAlign * kAlign;
+  }
+  const at::Tensor buffer = new_cpu_tensor({bytes}, at::kByte);
+  c10::SmallVector<at::Tensor, 6> tensors;
+  size_t i = 0;
+  for (const auto& part : parts) {
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(),
+                                                     c10::scalarTypeToTypeMeta(part.dtype));
+    impl->set_sizes_contiguous(part.sizes);
+    impl->set_storage_offset(offsets[i++] / static_cast<int64_t>(c10::elementSize(part.dtype)));
+    tensors.emplace_back(std::move(impl));
+  }
+  return tensors;
+}
+
 // Load fVec::size() consecutive elements of T as fp32 (exact widening for bf16/fp16).
 template <typename T>
 inline fVec load_f32(const T* p) {

@@ -8,7 +8,8 @@
 //
 // The GEMMs are the ATen GEMM the reference's at::linear reaches (`project`), so with an identical
 // latent they give identical results. Everything between and after them is one vectorised pass per token
-// row, with no Python and no intermediate tensors except the fp32 squares that feed the mean.
+// row, with no Python; the intermediates (the projections, the fp32 squares that feed the mean and their
+// row sums) share one scratch allocation.
 //
 // Numerics follow the reference kernels operation by operation, so outputs are bit-identical:
 // * RMSNorm: variance = mean(x_fp32^2). On CPU, ATen's mean is its sum followed by an IEEE division
@@ -68,12 +69,18 @@ RopeTables rope_tables(const at::Tensor& cos32, const at::Tensor& sin32) {
 // bias, linear folds a contiguous 3-D activation to [B*S, K] and calls mm with weight.t()
 // (aten/src/ATen/native/LinearAlgebra.cpp, matmul's fold), so mm_out on those operands is the same
 // kernel with the same operands, minus linear's and matmul's own dispatcher round trips, which cost more
-// than the GEMM on a one-token call. With a bias or a strided activation, linear itself.
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// than the GEMM on a one-token call (the operands' views are built in place, `alias_with_geometry`).
+// The result goes to `out` ([B*S, O], contiguous) and is returned. With a bias or a strided activation,
+// linear itself (a new tensor; `out` unused).
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   const at::Tensor& out) {
   if ((bias.has_value() && bias->defined()) || !x.is_contiguous()) return at::linear(x, weight, bias).contiguous();
-  const int64_t rows = x.size(0) * x.size(1);
-  at::Tensor out = new_cpu_tensor({rows, weight.size(0)}, x.scalar_type());
-  if (rows > 0) at::mm_out(out, x.view({rows, x.size(2)}), weight.t());
+  const int64_t rows = x.size(0) * x.size(1), K = x.size(2);
+  if (rows == 0) return out;
+  const at::Tensor x2 = alias_with_geometry(x, {rows, K}, {K, 1}, x.storage_offset());
+  const at::Tensor weight_t = alias_with_geometry(weight, {weight.size(1), weight.size(0)},
+                                                  {weight.stride(1), weight.stride(0)}, weight.storage_offset());
+  at::mm_out(const_cast<at::Tensor&>(out), x2, weight_t);
   return out;
 }
 
@@ -141,15 +148,17 @@ void norm_rope(const T* compressed, int64_t B, int64_t S, int64_t L, int64_t R, 
   });
 }
 
-// Stage 1 shared by both prologs: writes latent [B*S, L] and k_pe [B*S, R] (row-major).
+// Stage 1 shared by both prologs: writes latent [B*S, L] and k_pe [B*S, R] (row-major). `scratch`: the
+// intermediates, compressed [B*S, L+R] in hidden's dtype and the fp32 squares [B*S, L] and their row sums
+// [B*S, 1] (`stage1_scratch`).
 void stage1(const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::optional<at::Tensor>& kv_a_bias,
             const at::Tensor& kv_norm_weight, const at::Tensor& cos, const at::Tensor& sin, double eps,
-            bool interleaved, at::Tensor& latent, at::Tensor& k_pe) {
+            bool interleaved, const at::Tensor* scratch, at::Tensor& latent, at::Tensor& k_pe) {
   const int64_t B = hidden.size(0), S = hidden.size(1);
   const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
-  const at::Tensor compressed = project(hidden, kv_a_weight, kv_a_bias);
   if (B * S == 0) return;
-  at::Tensor sq = new_cpu_tensor({B, S, L}, at::kFloat);
+  const at::Tensor compressed = project(hidden, kv_a_weight, kv_a_bias, scratch[0]);
+  const at::Tensor &sq = scratch[1], &sum_sq = scratch[2];
   const at::Tensor cos32 = as_f32_contiguous(cos), sin32 = as_f32_contiguous(sin);
   const at::Tensor weight = kv_norm_weight.contiguous();
   const RopeTables tab = rope_tables(cos32, sin32);
@@ -159,8 +168,8 @@ void stage1(const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::
     } else {
       const scalar_t* cp = compressed.const_data_ptr<scalar_t>();
       squares<scalar_t>(cp, B * S, L, L + R, sq.data_ptr<float>());
-      // ATen's reduction, exactly as the reference's mean runs it (see the header comment).
-      const at::Tensor sum_sq = at::sum(sq, {-1}, /*keepdim=*/true).contiguous();
+      // ATen's reduction, exactly as the reference's mean runs it (see the header comment), into the scratch.
+      at::sum_out(const_cast<at::Tensor&>(sum_sq), sq, {-1}, /*keepdim=*/true);
       // eps reaches ATen's `variance + eps` as a float scalar: round it the same way.
       norm_rope<scalar_t>(cp, B, S, L, R, sum_sq.const_data_ptr<float>(), static_cast<float>(eps),
                           weight.const_data_ptr<scalar_t>(), tab, interleaved, latent.data_ptr<scalar_t>(),
@@ -168,6 +177,11 @@ void stage1(const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::
     }
   });
 }
+
+// The scratch parts stage 1 takes, for `rows` token rows.
+ScratchPart compressed_part(int64_t rows, int64_t L, int64_t R, at::ScalarType dtype) { return {{rows, L + R}, dtype}; }
+ScratchPart squares_part(int64_t rows, int64_t L) { return {{rows, L}, at::kFloat}; }
+ScratchPart sums_part(int64_t rows) { return {{rows, 1}, at::kFloat}; }
 
 }  // namespace
 
@@ -177,9 +191,11 @@ std::tuple<at::Tensor, at::Tensor> latent_kv_prolog(const at::Tensor& hidden, co
                                                     const at::Tensor& sin, double eps, bool interleaved) {
   const int64_t B = hidden.size(0), S = hidden.size(1);
   const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
-  at::Tensor latent = new_cpu_tensor({B, S, L}, hidden.scalar_type());
-  at::Tensor k_pe = new_cpu_tensor({B, S, R}, hidden.scalar_type());
-  stage1(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, interleaved, latent, k_pe);
+  const at::ScalarType dtype = hidden.scalar_type();
+  at::Tensor latent = new_cpu_tensor({B, S, L}, dtype);
+  at::Tensor k_pe = new_cpu_tensor({B, S, R}, dtype);
+  const auto scratch = scratch_tensors({compressed_part(B * S, L, R, dtype), squares_part(B * S, L), sums_part(B * S)});
+  stage1(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, interleaved, scratch.data(), latent, k_pe);
   return {latent, k_pe};
 }
 
@@ -191,13 +207,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog(
   const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
   const int64_t N = num_heads, P = qk_nope_head_dim, V = v_head_dim;
   const at::ScalarType dtype = hidden.scalar_type();
-  at::Tensor latent = new_cpu_tensor({B, S, L}, dtype);
   at::Tensor k_pe = new_cpu_tensor({B, 1, S, R}, dtype);  // same memory order as [B, S, R]
   at::Tensor k_nope = new_cpu_tensor({B, N, S, P}, dtype);
   at::Tensor value = new_cpu_tensor({B, N, S, V}, dtype);
-  stage1(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, interleaved, latent, k_pe);
   if (B * S == 0) return {k_nope, value, k_pe};
-  const at::Tensor kv = project(latent, kv_b_weight, std::nullopt);  // [B*S, N*(P+V)]
+  // stage 1's intermediates, then the normed latent [B, S, L] and kv [B*S, N*(P+V)]: one allocation
+  auto scratch = scratch_tensors({compressed_part(B * S, L, R, dtype), squares_part(B * S, L), sums_part(B * S),
+                                  {{B, S, L}, dtype}, {{B * S, N * (P + V)}, dtype}});
+  at::Tensor& latent = scratch[3];
+  stage1(hidden, kv_a_weight, kv_a_bias, kv_norm_weight, cos, sin, eps, interleaved, scratch.data(), latent, k_pe);
+  const at::Tensor kv = project(latent, kv_b_weight, std::nullopt, scratch[4]);
   // [B, S, N, P|V] -> [B, N, S, P] and [B, N, S, V]: one pass of row copies.
   const int64_t el = kv.element_size();
   const char* src = static_cast<const char*>(kv.const_data_ptr());

@@ -403,6 +403,42 @@ void unbind() {
 
 std::string registration_file() { return __FILE__; }
 
+// ------------------------------------------------------------------------- the entry floor
+// What a call from Python costs before any kernel work: a kernel that does nothing, registered for an
+// op's schema in another namespace (`mla_ops.bench.native` defines the twins), consumes its arguments
+// and returns its first tensor argument for each tensor it must return (aliasing outputs: a timing
+// device, never an operator). Registered on CompositeImplicitAutograd, so the dispatcher reaches it in
+// one hop from the Python entry: no kernel on the dispatcher can be called from Python for less.
+namespace {
+std::vector<std::unique_ptr<torch::Library>> g_floor_libraries;
+
+void entry_floor_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_arguments = schema.arguments().size();
+  std::optional<at::Tensor> first;
+  for (auto it = stack->end() - static_cast<std::ptrdiff_t>(num_arguments); it != stack->end(); ++it) {
+    if (it->isTensor()) {
+      first = it->toTensor();
+      break;
+    }
+  }
+  torch::jit::drop(*stack, num_arguments);
+  for (size_t i = 0; i < schema.returns().size(); ++i) {
+    TORCH_CHECK(first.has_value(), schema.name(), ": an entry-floor twin needs a tensor argument to return");
+    stack->emplace_back(*first);
+  }
+}
+}  // namespace
+
+void bind_entry_floor(const std::string& ns, const std::vector<std::string>& names) {
+  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::CompositeImplicitAutograd,
+                                                  __FILE__, __LINE__);
+  for (const auto& name : names) {
+    library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&entry_floor_kernel>());
+  }
+  g_floor_libraries.push_back(std::move(library));
+}
+
 // --------------------------------------------------------------- direct calls (no dispatcher)
 // What `mla_ops.backends.cpu_native`'s Python kernels call: the same checks and kernels, with a call
 // the kernel cannot serve refused rather than handed on (the caller chose this build explicitly).

@@ -35,6 +35,9 @@ std::vector<std::string> dispatcher_ops();                 // the ops `bind` can
 void bind(const std::vector<OpRequest>& requests);          // replaces any earlier binding of this build
 void unbind();                                              // removes this build's registrations
 std::string registration_file();                            // the file the dispatcher records for them
+// A do-nothing kernel for each `ns::name` (schemas defined elsewhere, in Python): what a call of that
+// schema costs from Python before any work (the benchmark's entry floor; outputs alias an input).
+void bind_entry_floor(const std::string& ns, const std::vector<std::string>& names);
 
 // Direct calls (checks + kernel; a call the kernel cannot serve raises NotImplementedError).
 // validate_values=false: the decode kernel's own guarantees instead of the value checks (lengths
