@@ -84,9 +84,13 @@ inline c10::SmallVector<at::Tensor, 6> scratch_tensors(std::initializer_list<Scr
   int64_t bytes = 0;
   for (const auto& part : parts) {
     offsets.push_back(bytes);
-    int64_t numel = 1;
-    for (int64_t size : part.sizes) numel *= size;
-    bytes += (numel * static_cast<int64_t>(c10::elementSize(part.dtype)) + kAlign - 1) / kAlign * kAlign;
+    // overflow-checked: the sizes come from the op's inputs, and a wrapped product would allocate too little
+    int64_t part_bytes = static_cast<int64_t>(c10::elementSize(part.dtype));
+    bool overflow = false;
+    for (int64_t size : part.sizes) overflow |= __builtin_mul_overflow(part_bytes, size, &part_bytes);
+    overflow |= __builtin_add_overflow(part_bytes, kAlign - 1, &part_bytes);
+    overflow |= __builtin_add_overflow(bytes, part_bytes / kAlign * kAlign, &bytes);
+    TORCH_CHECK(!overflow, "mla native kernels: a scratch tensor of ", part.sizes, " elements does not fit in memory");
   }
   const at::Tensor buffer = new_cpu_tensor({bytes}, at::kByte);
   c10::SmallVector<at::Tensor, 6> tensors;
