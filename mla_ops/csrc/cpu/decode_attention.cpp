@@ -135,6 +135,24 @@ struct Geometry {
   int64_t ks3, vs3;  // element strides of a cached row
 };
 
+// A float buffer left uninitialised, for what a kernel writes before it reads: std::vector<float>(n)
+// zero-fills, and for the fp32 engines' staging rows and transposed query and accumulator (≈ 170 KB a
+// thread at V2-Lite dims) that memset was most of a short call's own work.
+class UninitFloats {
+ public:
+  explicit UninitFloats(size_t n) : data_(new float[n]), size_(n) {}
+  float* data() { return data_.get(); }
+  const float* data() const { return data_.get(); }
+  float* begin() { return data_.get(); }
+  float* end() { return data_.get() + size_; }
+  float& operator[](size_t i) { return data_[i]; }
+  const float& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  size_t size_;
+};
+
 // A tile's cached rows as fp32 row pointers, for the fp32 engines: fp32 rows with unit stride are
 // read in place, others converted once into a staging buffer whose row stride is padded by one
 // cache line (unpadded, the rows of a tile, 2 KiB apart at L = 512, share a handful of L1 sets).
@@ -176,7 +194,8 @@ class F32Rows {
 
   Geometry g_;
   int64_t lat_stride_, pe_stride_;
-  std::vector<float> lat32_, pe32_, zeros_;
+  UninitFloats lat32_, pe32_;  // staged rows (written before they are read; the row padding never read)
+  std::vector<float> zeros_;
   const float* lat_[kTile];
   const float* pe_[kTile];
 };
@@ -515,7 +534,7 @@ class F32LaneTiles : public F32Rows<T, 48> {
   int64_t np_;
   bool lane_order_;
   int64_t row_ = -1;  // the query row qt_ holds
-  std::vector<float> qt_, acc_t_;
+  UninitFloats qt_, acc_t_;  // filled by `begin` (qt_ on the unit's first row)
 };
 #endif
 
