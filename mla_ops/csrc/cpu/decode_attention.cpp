@@ -136,8 +136,8 @@ struct Geometry {
 };
 
 // A float buffer left uninitialised, for what a kernel writes before it reads: std::vector<float>(n)
-// zero-fills, and for the fp32 engines' staging rows and transposed query and accumulator (≈ 170 KB a
-// thread at V2-Lite dims) that memset was most of a short call's own work.
+// zero-fills, and for the fp32 engines' staging rows and transposed query and accumulator (≈ 190 KB a
+// thread at V2-Lite dims) that memset was paid on every call, however short.
 class UninitFloats {
  public:
   explicit UninitFloats(size_t n) : data_(new float[n]), size_(n) {}
