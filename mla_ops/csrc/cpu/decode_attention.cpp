@@ -1031,7 +1031,14 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
     Tiles tiles(geo);
     constexpr int64_t W = fVec::size();
     const int64_t NP = (N + W - 1) / W * W;  // heads padded to whole vectors (the lane engines' layout)
-    std::vector<float> scores(NP * kTile), probs(N * kTile), m_lanes(NP), l_lanes(NP), alpha(NP);
+    // scores [NP, kTile], probs [N, kTile] and the lane engines' running max, sum and rescale factor per
+    // head [NP] each: every one written before it is read, so one uninitialised block
+    UninitFloats buffers(NP * kTile + N * kTile + 3 * NP);
+    float* const scores = buffers.data();
+    float* const probs = scores + NP * kTile;
+    float* const m_lanes = probs + N * kTile;
+    float* const l_lanes = m_lanes + NP;
+    float* const alpha = l_lanes + NP;
     for (int64_t u = u_begin; u < u_end; ++u) {
       const Unit unit = units[u];
       float* acc = acc_all + u * N * L;
@@ -1062,19 +1069,18 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
       if constexpr (Tiles::kHeadsInLanes) {
         const int64_t np = tiles.lanes();
         tiles.begin(unit.row, qlb, qpb);
-        std::fill(m_lanes.begin(), m_lanes.end(), kNegInf);
-        std::fill(l_lanes.begin(), l_lanes.end(), 0.f);
+        std::fill_n(m_lanes, NP, kNegInf);
+        std::fill_n(l_lanes, NP, 0.f);
         while (t < unit.t1) {
           const int64_t nt = stage_tile();
           if (nt == 0) continue;
-          tiles.scores(nt, scores.data());
-          if (lane_softmax(scores.data(), nt, np, scale, m_lanes.data(), l_lanes.data(), alpha.data()))
-            tiles.rescale(alpha.data());
-          tiles.accumulate(scores.data(), nt);
+          tiles.scores(nt, scores);
+          if (lane_softmax(scores, nt, np, scale, m_lanes, l_lanes, alpha)) tiles.rescale(alpha);
+          tiles.accumulate(scores, nt);
         }
         tiles.finish(acc);
-        std::copy_n(m_lanes.begin(), N, m);
-        std::copy_n(l_lanes.begin(), N, l);
+        std::copy_n(m_lanes, N, m);
+        std::copy_n(l_lanes, N, l);
       } else {
         std::fill(acc, acc + N * L, 0.f);
         std::fill(m, m + N, kNegInf);
@@ -1082,11 +1088,11 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
         while (t < unit.t1) {
           const int64_t nt = stage_tile();
           if (nt == 0) continue;
-          tiles.scores(qlb, qpb, nt, scores.data());
+          tiles.scores(qlb, qpb, nt, scores);
           // Online softmax, one update per tile and head.
           for (int64_t n = 0; n < N; ++n) {
-            float* sc = scores.data() + n * kTile;
-            float* pr = probs.data() + n * kTile;
+            float* sc = scores + n * kTile;
+            float* pr = probs + n * kTile;
             // Padding past nt is -inf for the max; the probabilities there are set to 0 below.
             std::fill(sc + nt, sc + kTile, kNegInf);
             const fVec sv(scale);
@@ -1124,7 +1130,7 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
             l[n] = l[n] * alpha_n + sum;
             m[n] = m_new;
           }
-          tiles.accumulate(probs.data(), nt, acc);
+          tiles.accumulate(probs, nt, acc);
         }
       }
     }
