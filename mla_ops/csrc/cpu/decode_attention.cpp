@@ -142,7 +142,6 @@ class UninitFloats {
  public:
   explicit UninitFloats(size_t n) : data_(new float[n]), size_(n) {}
   float* data() { return data_.get(); }
-  const float* data() const { return data_.get(); }
   float* begin() { return data_.get(); }
   float* end() { return data_.get() + size_; }
   float& operator[](size_t i) { return data_[i]; }
