@@ -207,12 +207,30 @@ def test_decode_contiguous_int64_and_tails(ext, dtype):
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], dtype)
 
 
-def test_decode_long_context_split(ext):
-    """One long sequence is split over context chunks (split-K) and merged."""
-    args = _pool_case(torch.float32, 16, [5000])
-    out = native_cpu.mla_decode_attention(*args, 0.05, _ext=ext)
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("lens", [[5000], [300, 7, 129], [65, 64, 1, 200, 90]], ids=["one", "three", "five"])
+def test_decode_split_over_threads(ext, threads, lens):
+    """Rows are cut into context chunks by the thread count (split-K: one row over every thread, several rows up
+    to four chunks a thread, none under 64 positions) and merged; a row held by one chunk skips the merge. Every
+    split agrees with the fp64 oracle, and a NaN in an attended row makes that row's output NaN whichever way
+    it was split."""
+    args = _pool_case(torch.float32, 16, lens)
     exact = mla_decode_attention_oracle(*args, 0.05)[0]
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = args
+    poisoned_cache = key_cache.clone()
+    poisoned_cache[tables[0, 0].item(), 3, 0, 5] = float("nan")  # position 3 of row 0: attended
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native_cpu.mla_decode_attention(*args, 0.05, _ext=ext)
+        poisoned = native_cpu.mla_decode_attention(
+            q_latent, q_pe, poisoned_cache, value_cache, tables, seq_lens, 0.05, _ext=ext
+        )
+    finally:
+        torch.set_num_threads(previous)
     assert (out.double() - exact).abs().max().item() < 1e-5
+    assert poisoned[0].isnan().all()
+    assert torch.equal(poisoned[1:], out[1:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)

@@ -335,7 +335,9 @@ def call_rows(*, rounds: int = 5, min_run_time: float = 0.2) -> list[dict]:
     return rows
 
 
-DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (512, 4096, 16384) for b in (1, 8)]
+# Short contexts too: what a call costs besides its tokens (the per-call and per-unit work of the kernel) shows there.
+DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (64, 256, 512, 4096, 16384) for b in (1, 8)]
+QUICK_DECODE_CONFIGS = [(1, 64, 16), (1, 256, 16), (1, 4096, 16), (8, 4096, 16), (1, 4096, 64), (8, 4096, 64)]
 
 
 def run(quick: bool = False, vllm: bool = True, rounds: Optional[int] = None) -> dict:
@@ -349,7 +351,7 @@ def _run(quick: bool, vllm: bool, rounds: Optional[int]) -> dict:
     """All four tables (+ the environment). `quick`: fewer cases and shorter rounds."""
     rounds = rounds or (3 if quick else 5)
     mrt = 0.05 if quick else 0.2
-    configs = [(1, 4096, 16), (8, 4096, 16), (1, 4096, 64), (8, 4096, 64)] if quick else DECODE_CONFIGS
+    configs = QUICK_DECODE_CONFIGS if quick else DECODE_CONFIGS
     dtypes = (torch.bfloat16, torch.float32)
     return {
         "environment": environment(),

@@ -78,6 +78,10 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr const char* kOpPrefix = "mla.mla_decode_attention: ";
 
+// Per-row / per-token counts of a call (lengths, requests, unit offsets): inline for a few rows, so a small call
+// allocates nothing for them.
+using Counts = c10::SmallVector<int64_t, 8>;
+
 // ------------------------------------------------------------------------------ index values
 
 // The lengths the kernel attends to, per row. validate=true: the first invalid value raises the
@@ -86,11 +90,11 @@ constexpr const char* kOpPrefix = "mla.mla_decode_attention: ";
 // [0, maxb * bs], and a row's length is cut after its last in-range block id (trailing blocks with
 // bad ids would be skipped anyway; cutting them keeps the work proportional to real blocks).
 // All products and sums are overflow-checked: lengths and ids may be any int64.
-std::vector<int64_t> attended_lengths(const IndexView& lens, const IndexView& table, int64_t B, int64_t maxb,
-                                      int64_t NB, int64_t bs, bool validate) {
+Counts attended_lengths(const IndexView& lens, const IndexView& table, int64_t B, int64_t maxb, int64_t NB, int64_t bs,
+                        bool validate) {
   int64_t capacity = 0;
   if (__builtin_mul_overflow(maxb, bs, &capacity)) capacity = std::numeric_limits<int64_t>::max();
-  std::vector<int64_t> out(B);
+  Counts out(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lens[b];
     if (validate) {
@@ -140,16 +144,11 @@ struct Geometry {
 // thread at V2-Lite dims) that memset was paid on every call, however short.
 class UninitFloats {
  public:
-  explicit UninitFloats(size_t n) : data_(new float[n]), size_(n) {}
+  explicit UninitFloats(size_t n) : data_(new float[n]) {}
   float* data() { return data_.get(); }
-  float* begin() { return data_.get(); }
-  float* end() { return data_.get() + size_; }
-  float& operator[](size_t i) { return data_[i]; }
-  const float& operator[](size_t i) const { return data_[i]; }
 
  private:
   std::unique_ptr<float[]> data_;
-  size_t size_;
 };
 
 // A tile's cached rows as fp32 row pointers, for the fp32 engines: fp32 rows with unit stride are
@@ -163,38 +162,51 @@ class F32Rows {
     if (std::is_same_v<T, float> && g_.ks3 == 1) {
       lat_[i] = reinterpret_cast<const float*>(latent);
     } else {
-      row_to_f32<T>(lat32_.data() + i * lat_stride_, latent, g_.L, g_.ks3);
-      lat_[i] = lat32_.data() + i * lat_stride_;
+      row_to_f32<T>(lat32_ + i * lat_stride_, latent, g_.L, g_.ks3);
+      lat_[i] = lat32_ + i * lat_stride_;
     }
     if (std::is_same_v<T, float> && g_.vs3 == 1) {
       pe_[i] = reinterpret_cast<const float*>(k_pe);
     } else {
-      row_to_f32<T>(pe32_.data() + i * pe_stride_, k_pe, g_.R, g_.vs3);
-      pe_[i] = pe32_.data() + i * pe_stride_;
+      row_to_f32<T>(pe32_ + i * pe_stride_, k_pe, g_.R, g_.vs3);
+      pe_[i] = pe32_ + i * pe_stride_;
     }
   }
 
  protected:
-  explicit F32Rows(const Geometry& g)
+  // `extra`: floats the engine wants besides the staging rows, left uninitialised at `extra_` (one allocation
+  // for all of a thread's buffers).
+  explicit F32Rows(const Geometry& g, int64_t extra = 0)
       : g_(g),
         lat_stride_(g.L + 16),
         pe_stride_(g.R + 16),
-        lat32_(kTile * lat_stride_),
-        pe32_(kTile * pe_stride_),
-        zeros_(std::max(g.L, g.R), 0.f) {}
+        zeros_size_(std::max(g.L, g.R)),
+        block_(whole_lines(kTile * lat_stride_) + whole_lines(kTile * pe_stride_) + whole_lines(zeros_size_) + extra),
+        lat32_(block_.data()),
+        pe32_(lat32_ + whole_lines(kTile * lat_stride_)),
+        zeros_(pe32_ + whole_lines(kTile * pe_stride_)),
+        extra_(zeros_ + whole_lines(zeros_size_)) {
+    std::fill_n(zeros_, zeros_size_, 0.f);
+  }
 
   // Points rows nt .. (nt rounded up to a multiple of `multiple`, at most kTile) at zeros, so that
   // micro-kernels may run past nt; returns that row count.
   int64_t pad(int64_t nt, int64_t multiple) {
     const int64_t padded = std::min<int64_t>(kTile, (nt + multiple - 1) / multiple * multiple);
-    for (int64_t i = nt; i < padded; ++i) lat_[i] = pe_[i] = zeros_.data();
+    for (int64_t i = nt; i < padded; ++i) lat_[i] = pe_[i] = zeros_;
     return padded;
   }
 
+  // n floats rounded up to whole 64-byte lines: each part of the block starts on a line.
+  static int64_t whole_lines(int64_t n) { return (n + 15) / 16 * 16; }
+
   Geometry g_;
-  int64_t lat_stride_, pe_stride_;
-  UninitFloats lat32_, pe32_;  // staged rows (written before they are read; the row padding never read)
-  std::vector<float> zeros_;
+  int64_t lat_stride_, pe_stride_, zeros_size_;
+  UninitFloats block_;
+  float* lat32_;  // staged rows (written before they are read; the row padding never read)
+  float* pe32_;
+  float* zeros_;  // max(L, R) zeros: the rows past a tile's tokens
+  float* extra_;
   const float* lat_[kTile];
   const float* pe_[kTile];
 };
@@ -345,14 +357,15 @@ __attribute__((noinline)) void f32_lane_scores(const float* ql_t, const float* q
 }
 
 // acc_t[(d0 + j) * np + v * W + lane] += sum_{t < nt} rows[t][d0 + j] * probs[t * np + v * W + lane]
-// for MD dims and NV vectors of heads (acc_t and probs point at the head group).
+// for MD dims and NV vectors of heads (acc_t and probs point at the head group); `fresh`: acc_t holds nothing yet
+// and the sums start from 0 (what a zero-filled acc_t would give, without the fill).
 template <int NV, int MD>
 __attribute__((noinline)) void f32_lane_acc(float* acc_t, int64_t np, const float* probs, const float* const* rows,
-                                            int64_t nt, int64_t d0) {
+                                            int64_t nt, int64_t d0, bool fresh) {
   constexpr int64_t W = fVec::size();
   fVec acc[MD][NV];
   for (int j = 0; j < MD; ++j)
-    for (int v = 0; v < NV; ++v) acc[j][v] = fVec::loadu(acc_t + (d0 + j) * np + v * W);
+    for (int v = 0; v < NV; ++v) acc[j][v] = fresh ? fVec(0.f) : fVec::loadu(acc_t + (d0 + j) * np + v * W);
   for (int64_t t = 0; t < nt; ++t) {
     fVec p[NV];
     for (int v = 0; v < NV; ++v) {
@@ -384,11 +397,11 @@ void f32_lane_scores_group(const float* ql_t, const float* qp_t, int64_t np, con
 // P . latent of nt tokens for one head group of NV vectors, all L dims.
 template <int NV>
 void f32_lane_acc_group(float* acc_t, int64_t np, const float* probs, const float* const* rows, int64_t nt,
-                        int64_t L) {
+                        int64_t L, bool fresh) {
   constexpr int MD = kLaneBlock<NV>;
   int64_t d = 0;
-  for (; d + MD <= L; d += MD) f32_lane_acc<NV, MD>(acc_t, np, probs, rows, nt, d);
-  for (; d < L; ++d) f32_lane_acc<NV, 1>(acc_t, np, probs, rows, nt, d);
+  for (; d + MD <= L; d += MD) f32_lane_acc<NV, MD>(acc_t, np, probs, rows, nt, d, fresh);
+  for (; d < L; ++d) f32_lane_acc<NV, 1>(acc_t, np, probs, rows, nt, d, fresh);
 }
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -427,12 +440,12 @@ class F32LaneTiles : public F32Rows<T, 48> {
   static constexpr bool kPrefetchesRows = false;
 
   explicit F32LaneTiles(const Geometry& g)
-      : F32Rows<T, 48>(g),
-        np_((g.N + fVec::size() - 1) / fVec::size() * fVec::size()),
+      : F32Rows<T, 48>(g, (2 * g.L + g.R) * lanes_for(g.N)),
+        np_(lanes_for(g.N)),
         lane_order_(std::is_same_v<T, at::BFloat16> && kHasLaneOrder && g.ks3 == 1 && g.vs3 == 1 && g.L % 16 == 0 &&
                     g.R % 16 == 0),
-        qt_((g.L + g.R) * np_),
-        acc_t_(g.L * np_) {}
+        qt_(this->extra_),
+        acc_t_(qt_ + (g.L + g.R) * np_) {}
 
   int64_t lanes() const { return np_; }
 
@@ -443,8 +456,8 @@ class F32LaneTiles : public F32Rows<T, 48> {
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (lane_order_) {
-        float* lat = this->lat32_.data() + i * this->lat_stride_;
-        float* pe = this->pe32_.data() + i * this->pe_stride_;
+        float* lat = this->lat32_ + i * this->lat_stride_;
+        float* pe = this->pe32_ + i * this->pe_stride_;
         bf16_to_f32_lane_order(lat, latent, this->g_.L);
         bf16_to_f32_lane_order(pe, k_pe, this->g_.R);
         this->lat_[i] = lat;
@@ -460,15 +473,11 @@ class F32LaneTiles : public F32Rows<T, 48> {
   // unless the previous unit was of the same row (a thread's units are consecutive, so a sequence
   // split over its cores is transposed once per core).
   void begin(int64_t row, const float* ql, const float* qp) {
-    std::fill(acc_t_.begin(), acc_t_.end(), 0.f);
+    fresh_ = true;
     if (row == row_) return;
     row_ = row;
-    const int64_t N = this->g_.N, L = this->g_.L, R = this->g_.R;
-    for (int64_t d = 0; d < L + R; ++d) {
-      float* dst = qt_.data() + d * np_;
-      for (int64_t n = 0; n < N; ++n) dst[n] = d < L ? ql[n * L + source(d)] : qp[n * R + source(d - L)];
-      std::fill(dst + N, dst + np_, 0.f);
-    }
+    to_lanes(qt_, ql, this->g_.L);
+    to_lanes(qt_ + this->g_.L * np_, qp, this->g_.R);
   }
 
   // st[t * np + n] = q[n] . row[t] (unscaled) for the nt staged tokens (rows past nt, up to the next
@@ -478,8 +487,8 @@ class F32LaneTiles : public F32Rows<T, 48> {
     const int64_t L = this->g_.L, R = this->g_.R;
     constexpr int64_t G = kLaneVecs * fVec::size();
     for (int64_t n0 = 0; n0 < np_; n0 += G) {
-      const float* ql_t = qt_.data() + n0;
-      const float* qp_t = qt_.data() + L * np_ + n0;
+      const float* ql_t = qt_ + n0;
+      const float* qp_t = qt_ + L * np_ + n0;
       if (n0 + G <= np_) {
         f32_lane_scores_group<kLaneVecs>(ql_t, qp_t, np_, this->lat_, L, this->pe_, R, st + n0, padded);
       } else {
@@ -490,11 +499,12 @@ class F32LaneTiles : public F32Rows<T, 48> {
 
   // acc_t[d][n] *= alpha[n].
   void rescale(const float* alpha) {
+    if (fresh_) return;  // nothing accumulated: the zeros stay zeros
     constexpr int64_t W = fVec::size();
     for (int64_t v = 0; v < np_; v += W) {
       const fVec a = fVec::loadu(alpha + v);
       for (int64_t d = 0; d < this->g_.L; ++d) {
-        float* o = acc_t_.data() + d * np_ + v;
+        float* o = acc_t_ + d * np_ + v;
         (fVec::loadu(o) * a).store(o);
       }
     }
@@ -505,24 +515,70 @@ class F32LaneTiles : public F32Rows<T, 48> {
     constexpr int64_t G = kLaneVecs * fVec::size();
     for (int64_t n0 = 0; n0 < np_; n0 += G) {
       if (n0 + G <= np_) {
-        f32_lane_acc_group<kLaneVecs>(acc_t_.data() + n0, np_, probs + n0, this->lat_, nt, this->g_.L);
+        f32_lane_acc_group<kLaneVecs>(acc_t_ + n0, np_, probs + n0, this->lat_, nt, this->g_.L, fresh_);
       } else {
-        f32_lane_acc_group<1>(acc_t_.data() + n0, np_, probs + n0, this->lat_, nt, this->g_.L);
+        f32_lane_acc_group<1>(acc_t_ + n0, np_, probs + n0, this->lat_, nt, this->g_.L, fresh_);
       }
     }
+    fresh_ = false;
   }
 
   // acc[n * L + d] = acc_t[d][n] for the real heads: the unit's accumulator in the merge's layout
   // (and the source order).
   void finish(float* acc) const {
-    const int64_t N = this->g_.N, L = this->g_.L;
-    for (int64_t d = 0; d < L; ++d) {
-      const int64_t dim = source(d);
-      for (int64_t n = 0; n < N; ++n) acc[n * L + dim] = acc_t_[d * np_ + n];
+    if (fresh_) {  // a unit whose every entry was skipped
+      std::fill_n(acc, this->g_.N * this->g_.L, 0.f);
+      return;
     }
+    from_lanes(acc, acc_t_, this->g_.L);
   }
 
  private:
+  // The transposes between the heads' [D] rows and the lanes go in 8 x 8 blocks (a register transpose on AVX2):
+  // element by element, walking one dim across the heads touches N lines D floats apart, and at V2-Lite dims the
+  // two transposes of a unit cost more than attending to a 16-token context. Lane order permutes runs of 4 dims
+  // (`source`), so a block's 8 positions are two runs, moved through a small staging tile.
+  static constexpr int64_t kBlock = 8;
+
+  // dst[p * np + n] = src[n * D + source(p)] for p < D and the real heads n < N; the padding lanes 0.
+  void to_lanes(float* dst, const float* src, int64_t D) const {
+    const int64_t N = this->g_.N, full_p = D / kBlock * kBlock, full_n = N / kBlock * kBlock;
+    alignas(64) float tile[kBlock * kBlock];
+    for (int64_t p0 = 0; p0 < full_p; p0 += kBlock) {
+      for (int64_t n0 = 0; n0 < full_n; n0 += kBlock) {
+        for (int64_t i = 0; i < kBlock; ++i) {  // tile[i][j] = head n0 + i at position p0 + j
+          const float* row = src + (n0 + i) * D;
+          std::memcpy(tile + i * kBlock, row + source(p0), 4 * sizeof(float));
+          std::memcpy(tile + i * kBlock + 4, row + source(p0 + 4), 4 * sizeof(float));
+        }
+        at::vec::transpose_mxn<float, kBlock, kBlock>(tile, kBlock, dst + p0 * np_ + n0, np_);
+      }
+    }
+    for (int64_t p = 0; p < D; ++p) {  // what the blocks left: the last heads, the last positions, the padding
+      float* lanes = dst + p * np_;
+      for (int64_t n = p < full_p ? full_n : 0; n < N; ++n) lanes[n] = src[n * D + source(p)];
+      std::fill(lanes + N, lanes + np_, 0.f);
+    }
+  }
+
+  // dst[n * D + source(p)] = src[p * np + n] for p < D and the real heads n < N.
+  void from_lanes(float* dst, const float* src, int64_t D) const {
+    const int64_t N = this->g_.N, full_p = D / kBlock * kBlock, full_n = N / kBlock * kBlock;
+    alignas(64) float tile[kBlock * kBlock];
+    for (int64_t p0 = 0; p0 < full_p; p0 += kBlock) {
+      for (int64_t n0 = 0; n0 < full_n; n0 += kBlock) {
+        at::vec::transpose_mxn<float, kBlock, kBlock>(src + p0 * np_ + n0, np_, tile, kBlock);
+        for (int64_t i = 0; i < kBlock; ++i) {  // tile[i][j] = head n0 + i at position p0 + j
+          float* row = dst + (n0 + i) * D;
+          std::memcpy(row + source(p0), tile + i * kBlock, 4 * sizeof(float));
+          std::memcpy(row + source(p0 + 4), tile + i * kBlock + 4, 4 * sizeof(float));
+        }
+      }
+    }
+    for (int64_t p = 0; p < D; ++p)
+      for (int64_t n = p < full_p ? full_n : 0; n < N; ++n) dst[n * D + source(p)] = src[p * np_ + n];
+  }
+
   // The source dim of staged position p (within the latent or the rope part).
   int64_t source(int64_t p) const {
     if (!lane_order_) return p;
@@ -533,7 +589,12 @@ class F32LaneTiles : public F32Rows<T, 48> {
   int64_t np_;
   bool lane_order_;
   int64_t row_ = -1;  // the query row qt_ holds
-  UninitFloats qt_, acc_t_;  // filled by `begin` (qt_ on the unit's first row)
+  bool fresh_ = true;  // nothing accumulated in this unit yet: acc_t_ is garbage, read as zeros
+  float* qt_;     // [L + R, np], filled by `begin` on a unit's first row
+  float* acc_t_;  // [L, np], filled by a unit's first `accumulate`
+
+  // N heads padded to whole vectors.
+  static int64_t lanes_for(int64_t N) { return (N + fVec::size() - 1) / fVec::size() * fVec::size(); }
 };
 #endif
 
@@ -879,11 +940,11 @@ struct DecodePositions {
 struct SparsePositions {
   IndexView table, indices;
   int64_t maxb, bs, width;                // width: entries per token (topk_indices.size(1))
-  const std::vector<int64_t>* request;    // the request of every query token
+  const int64_t* request;                 // the request of every query token
   Slot slot(int64_t row, int64_t entry, int64_t) const {
     const int64_t position = indices[row * width + entry];  // validated: -1 or < seq_lens <= maxb * bs
     if (position < 0) return {-1, 0, 1};
-    return {table[(*request)[row] * maxb + position / bs], position % bs, 1};
+    return {table[request[row] * maxb + position / bs], position % bs, 1};
   }
 };
 
@@ -945,10 +1006,13 @@ inline bool lane_softmax(float* st, int64_t nt, int64_t np, float scale, float* 
   return rescale;
 }
 
+// The smallest unit of work the driver splits a row into (see attention_kernel's split).
+constexpr int64_t kMinUnitEntries = 64;
+
 // Attention of every query row over its `entries[row]` entries (where they are cached: `positions`).
 template <typename T, typename Tiles, typename Positions>
 void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
-                      const at::Tensor& value_cache, const Positions& positions, const std::vector<int64_t>& entries,
+                      const at::Tensor& value_cache, const Positions& positions, c10::ArrayRef<int64_t> entries,
                       double softmax_scale, at::Tensor& out) {
   constexpr int64_t kTile = Tiles::kTile;
   using Query = typename Tiles::Query;
@@ -962,49 +1026,52 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   const float scale = static_cast<float>(softmax_scale);
 
   // Queries in the engine's input type, contiguous: the inputs themselves where they already are,
-  // else converted (B*N*(L+R) values: negligible).
+  // else converted with the partials below (B*N*(L+R) values: negligible).
   const at::Tensor qlc = q_latent.contiguous(), qpc = q_pe.contiguous();
-  std::vector<Query> ql_converted, qp_converted;
   const Query* ql_all;
   const Query* qp_all;
-  if constexpr (std::is_same_v<T, Query>) {
-    ql_all = qlc.const_data_ptr<T>();
-    qp_all = qpc.const_data_ptr<T>();
-  } else {
-    ql_converted.resize(B * N * L);
-    qp_converted.resize(B * N * R);
-    const T* a = qlc.const_data_ptr<T>();
-    const T* c = qpc.const_data_ptr<T>();
-    for (int64_t i = 0; i < B * N * L; ++i) ql_converted[i] = static_cast<Query>(a[i]);
-    for (int64_t i = 0; i < B * N * R; ++i) qp_converted[i] = static_cast<Query>(c[i]);
-    ql_all = ql_converted.data();
-    qp_all = qp_converted.data();
-  }
 
-  // Split-K: enough units for every thread to get several (load balance across mixed lengths),
-  // but chunks of at least 256 entries so the merge stays small next to the attention work.
+  // Split-K: each row cut into equal units of at most `chunk` entries, about min(B, 4) units a thread (one row
+  // needs one equal unit per thread; more rows, up to 4 units a thread, balance mixed lengths), but not below
+  // kMinUnitEntries: a unit costs its own accumulator transpose and merge (≈ N * L moves each, a few µs at
+  // V2-Lite dims) and a parallel region its start, against ≈ 0.5 µs a token on one core.
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b)
     if (__builtin_add_overflow(total, entries[b], &total)) total = std::numeric_limits<int64_t>::max();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t chunk = std::max<int64_t>(256, total / (4 * threads) + 1);
-  chunk = (chunk + kTile - 1) / kTile * kTile;
-  std::vector<Unit> units;
-  std::vector<int64_t> first_unit(B + 1, 0);
+  const int64_t chunk = std::max<int64_t>(kMinUnitEntries, total / (std::min<int64_t>(B, 4) * threads) + 1);
+  c10::SmallVector<Unit, 8> units;
+  Counts first_unit(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     first_unit[b] = static_cast<int64_t>(units.size());
-    for (int64_t t0 = 0; t0 < entries[b]; t0 += std::min(chunk, entries[b] - t0))
-      units.push_back({b, t0, t0 + std::min(chunk, entries[b] - t0)});
+    const int64_t n = entries[b];
+    if (n <= 0) continue;
+    const int64_t pieces = n / chunk + (n % chunk != 0);
+    const int64_t size = n / pieces + (n % pieces != 0);  // pieces * size >= n; no sum below can overflow
+    for (int64_t t0 = 0; t0 < n; t0 += std::min(size, n - t0)) units.push_back({b, t0, t0 + std::min(size, n - t0)});
   }
   first_unit[B] = static_cast<int64_t>(units.size());
   const int64_t U = first_unit[B];
 
-  // Per unit and head: running max, running sum, unnormalised accumulator [L] (one allocation; every
-  // unit initialises its own part).
-  const std::unique_ptr<float[]> partials(new float[U * N * (L + 2)]);
-  float* const acc_all = partials.get();
+  // Per unit and head: running max, running sum, unnormalised accumulator [L] (every unit initialises its own
+  // part); then the queries as fp32 where the engine wants them and the cache is not (written just below). One
+  // allocation.
+  constexpr bool kConvertsQueries = !std::is_same_v<T, Query>;
+  static_assert(!kConvertsQueries || std::is_same_v<Query, float>, "the engines take their cache dtype or fp32 queries");
+  UninitFloats partials(U * N * (L + 2) + (kConvertsQueries ? B * N * (L + R) : 0));
+  float* const acc_all = partials.data();
   float* const m_all = acc_all + U * N * L;
   float* const l_all = m_all + U * N;
+  if constexpr (kConvertsQueries) {
+    float* const q_converted = l_all + U * N;
+    row_to_f32<T>(q_converted, qlc.const_data_ptr<T>(), B * N * L, 1);
+    row_to_f32<T>(q_converted + B * N * L, qpc.const_data_ptr<T>(), B * N * R, 1);
+    ql_all = q_converted;
+    qp_all = q_converted + B * N * L;
+  } else {
+    ql_all = qlc.const_data_ptr<T>();
+    qp_all = qpc.const_data_ptr<T>();
+  }
 
   // Requests the cache lines of entries [t0, t1) of a row (the next tile) while the current one
   // is computed: the blocks are scattered over the pool, so the hardware prefetcher loses the
@@ -1136,18 +1203,45 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   });
 
   // Merge the units of every (row, head) and write the output dtype; rows without any attended
-  // entry (length 0, nothing listed, or every block skipped) get zeros.
+  // entry (length 0, nothing listed, or every block skipped) get zeros, heads with a NaN or +inf score NaN.
   T* o = out.data_ptr<T>();
   at::parallel_for(0, B * N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(L);
+    std::unique_ptr<float[]> merged;  // the general merge's sums, allocated by the first row that needs them
     constexpr int64_t W = fVec::size();
     for (int64_t bn = begin; bn < end; ++bn) {
       const int64_t b = bn / N, n = bn % N;
       T* dst = o + bn * L;
+      if (first_unit[b + 1] - first_unit[b] == 1) {
+        // One unit with weights (l > 0) and a finite max: the general merge below gives it weight exp(0) = 1 and
+        // denominator 0 + l, and its sum adds the unit to zeros, so the output is (acc + 0) * (1 / l), computed here
+        // without the merge buffer; every other case (a NaN or infinite max, nothing weighted) takes the general path.
+        const int64_t u = first_unit[b];
+        const float lu = l_all[u * N + n], mu = m_all[u * N + n];
+        if (lu > 0.f && std::isfinite(mu)) {
+          const float* src = acc_all + (u * N + n) * L;
+          const float inv = 1.f / lu;
+          const fVec iv(inv), zero(0.f);
+          int64_t d = 0;
+          for (; d + W <= L; d += W) store_from_f32<T>(dst + d, (fVec::loadu(src + d) + zero) * iv);
+          for (; d < L; ++d) dst[d] = from_f32<T>((src[d] + 0.f) * inv);
+          continue;
+        }
+      }
+      // A NaN or +inf score in any unit (a NaN running max or sum) makes the head's output NaN, as the
+      // reference's softmax does; units with nothing weighted (sum 0) take no part.
       float mx = kNegInf;
-      for (int64_t u = first_unit[b]; u < first_unit[b + 1]; ++u)
-        if (l_all[u * N + n] > 0.f) mx = std::max(mx, m_all[u * N + n]);
-      std::fill(merged.begin(), merged.end(), 0.f);
+      bool not_a_number = false;
+      for (int64_t u = first_unit[b]; u < first_unit[b + 1]; ++u) {
+        const float lu = l_all[u * N + n], mu = m_all[u * N + n];
+        not_a_number = not_a_number || std::isnan(lu) || std::isnan(mu);
+        if (lu > 0.f) mx = std::max(mx, mu);
+      }
+      if (not_a_number) {
+        std::fill_n(dst, L, from_f32<T>(std::numeric_limits<float>::quiet_NaN()));
+        continue;
+      }
+      if (!merged) merged.reset(new float[L]);
+      std::fill_n(merged.get(), L, 0.f);
       float denom = 0.f;
       if (mx != kNegInf) {
         for (int64_t u = first_unit[b]; u < first_unit[b + 1]; ++u) {
@@ -1159,14 +1253,14 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
           const fVec wv(w);
           int64_t d = 0;
           for (; d + W <= L; d += W)
-            at::vec::fmadd(wv, fVec::loadu(src + d), fVec::loadu(merged.data() + d)).store(merged.data() + d);
+            at::vec::fmadd(wv, fVec::loadu(src + d), fVec::loadu(merged.get() + d)).store(merged.get() + d);
           for (; d < L; ++d) merged[d] += w * src[d];
         }
       }
       const float inv = denom > 0.f ? 1.f / denom : 0.f;
       const fVec iv(inv);
       int64_t d = 0;
-      for (; d + W <= L; d += W) store_from_f32<T>(dst + d, fVec::loadu(merged.data() + d) * iv);
+      for (; d + W <= L; d += W) store_from_f32<T>(dst + d, fVec::loadu(merged.get() + d) * iv);
       for (; d < L; ++d) dst[d] = from_f32<T>(merged[d] * inv);
     }
   });
@@ -1194,7 +1288,7 @@ Geometry geometry_of(const at::Tensor& q_latent, const at::Tensor& key_cache, co
 // The output of one attention call: the dtype dispatch and the tile engine.
 template <typename Positions>
 at::Tensor attend(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
-                  const at::Tensor& value_cache, const Positions& positions, const std::vector<int64_t>& entries,
+                  const at::Tensor& value_cache, const Positions& positions, c10::ArrayRef<int64_t> entries,
                   double softmax_scale) {
   at::Tensor out = new_cpu_tensor(q_latent.sizes(), q_latent.scalar_type());
   if (q_latent.size(0) == 0 || out.numel() == 0) return out;
@@ -1228,9 +1322,8 @@ at::Tensor attend(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::
 
 // The request of every query token, after the Python check_index_values (ValueError, the same
 // message): every index of request b's tokens is -1 (none) or a position in [0, seq_lens[b]).
-std::vector<int64_t> check_index_values(const IndexView& indices, int64_t num_tokens, int64_t width,
-                                        const std::vector<SparseRequest>& requests) {
-  std::vector<int64_t> request(num_tokens, 0);
+Counts check_index_values(const IndexView& indices, int64_t num_tokens, int64_t width, const SparseRequests& requests) {
+  Counts request(num_tokens, 0);
   for (size_t b = 0; b < requests.size(); ++b)
     for (int64_t i = 0; i < requests[b].num_queries; ++i) request[requests[b].first_token + i] = b;
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -1266,7 +1359,7 @@ at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, 
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens_t = seq_lens.contiguous();
-  const std::vector<int64_t> lens =
+  const Counts lens =
       attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs, validate);
   return attend(q_latent, q_pe, key_cache, value_cache, DecodePositions{IndexView(tables), tables.size(1), bs}, lens,
                 softmax_scale);
@@ -1278,13 +1371,13 @@ at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_
                                 const at::Tensor& topk_indices, double softmax_scale) {
   const int64_t T = q_latent.size(0), NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous(), indices_t = topk_indices.contiguous();
-  const std::vector<SparseRequest> requests =
+  const SparseRequests requests =
       check_request_values("sparse_mla_attention", T, tables, seq_lens, query_start_loc, NB, bs);
   const int64_t width = indices_t.size(1);
   const IndexView indices(indices_t);
-  const std::vector<int64_t> request = check_index_values(indices, T, width, requests);
-  const SparsePositions positions{IndexView(tables), indices, tables.size(1), bs, width, &request};
-  return attend(q_latent, q_pe, key_cache, value_cache, positions, std::vector<int64_t>(T, width), softmax_scale);
+  const Counts request = check_index_values(indices, T, width, requests);
+  const SparsePositions positions{IndexView(tables), indices, tables.size(1), bs, width, request.data()};
+  return attend(q_latent, q_pe, key_cache, value_cache, positions, Counts(T, width), softmax_scale);
 }
 
 }  // namespace CPU_CAPABILITY

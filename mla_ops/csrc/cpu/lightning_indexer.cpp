@@ -37,9 +37,9 @@ namespace mla_native {
 inline namespace CPU_CAPABILITY {
 
 // mla_ops/ops/sparse_attention.py: check_request_values
-std::vector<SparseRequest> check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
-                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                                int64_t num_blocks, int64_t block_size) {
+SparseRequests check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_blocks,
+                                    int64_t block_size) {
   const at::Tensor tables_t = block_tables.contiguous(), lens_t = seq_lens.contiguous();
   const at::Tensor starts_t = query_start_loc.contiguous();
   const IndexView table(tables_t), lens(lens_t), starts(starts_t);
@@ -54,7 +54,7 @@ std::vector<SparseRequest> check_request_values(std::string_view op, int64_t num
                     " must equal the number of query tokens (", num_tokens, ")");
   // 128 bits: the table's capacity must not wrap into an accepted length
   const __int128 capacity = static_cast<__int128>(columns) * block_size;
-  std::vector<SparseRequest> requests(B);
+  SparseRequests requests(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lens[b];
     // from 0, never decreasing, ending at num_tokens: every entry is in [0, num_tokens], no overflow
@@ -156,7 +156,7 @@ class AmxKeyScores {
 
 template <typename T>
 void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache, const IndexView& table,
-                    int64_t maxb, const std::vector<SparseRequest>& requests, int64_t topk, float scale,
+                    int64_t maxb, const SparseRequests& requests, int64_t topk, float scale,
                     int32_t* out) {
   constexpr int64_t W = fVec::size();
   static_assert(kKeyTile % W == 0, "a key tile is whole vectors");
@@ -337,7 +337,7 @@ at::Tensor lightning_indexer(const at::Tensor& q, const at::Tensor& weights, con
                              const at::Tensor& query_start_loc, int64_t topk, double softmax_scale) {
   const int64_t T = q.size(0);
   const at::Tensor tables = block_tables.contiguous();
-  const std::vector<SparseRequest> requests = check_request_values(
+  const SparseRequests requests = check_request_values(
       "lightning_indexer", T, tables, seq_lens, query_start_loc, k_cache.size(0), k_cache.size(1));
   for (const SparseRequest& r : requests) {
     // the order keys and the int32 output hold positions in 32 bits

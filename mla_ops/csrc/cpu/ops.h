@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 
 #include <optional>
 #include <string>
@@ -33,12 +34,14 @@ std::string attention_engine(const at::Tensor& q_latent, const at::Tensor& key_c
 struct SparseRequest {
   int64_t first_token, num_queries, seq_len;
 };
+// A call's requests: inline for a few (no heap allocation on a small call).
+using SparseRequests = c10::SmallVector<SparseRequest, 4>;
 
 // The Python check_request_values: the same checks in the same order, ValueError with its
 // messages (values near 2**63 included); returns the requests.
-std::vector<SparseRequest> check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
-                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                                int64_t num_blocks, int64_t block_size);
+SparseRequests check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_blocks,
+                                    int64_t block_size);
 
 // q [T, H, D], weights [T, H] (fp32 or q's dtype), k_cache [NB, bs, 1, D] (any strides) -> int32
 // [T, topk]: the positions of each token's topk best scores, best first (ties: lower position first;
