@@ -208,12 +208,16 @@ def test_decode_contiguous_int64_and_tails(ext, dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
-@pytest.mark.parametrize("lens", [[5000], [300, 7, 129], [65, 64, 1, 200, 90]], ids=["one", "three", "five"])
+@pytest.mark.parametrize(
+    "lens",
+    [[5000], [300, 7, 129], [65, 64, 1, 200, 90], [100, 110], [110, 100], [1051, 1050, 1049, 1047, 1046, 1045]],
+    ids=["one", "three", "five", "cut-near-row-start", "cut-near-row-end", "near-equal"],
+)
 def test_decode_split_over_threads(ext, threads, lens):
-    """Rows are cut into context chunks by the thread count (split-K: one row over every thread, several rows up
-    to four chunks a thread, none under 64 positions) and merged; a row held by one chunk skips the merge. Every
-    split agrees with the fp64 oracle, and a NaN in an attended row makes that row's output NaN whichever way
-    it was split."""
+    """The rows' positions, laid end to end, are cut into one equal slice per thread (split-K: none under 64
+    positions; a cut within 16 positions of a row's edge moves to that edge), a row cut by a slice boundary is
+    merged from its pieces, and a row held by one piece skips the merge. Every split agrees with the fp64 oracle,
+    and a NaN in an attended row makes that row's output NaN whichever way it was split."""
     args = _pool_case(torch.float32, 16, lens)
     exact = mla_decode_attention_oracle(*args, 0.05)[0]
     q_latent, q_pe, key_cache, value_cache, tables, seq_lens = args
@@ -231,6 +235,28 @@ def test_decode_split_over_threads(ext, threads, lens):
     assert (out.double() - exact).abs().max().item() < 1e-5
     assert poisoned[0].isnan().all()
     assert torch.equal(poisoned[1:], out[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+def test_decode_scratch_reused_across_call_sizes(ext, dtype):
+    """A call's scratch (partials, staging rows, scores) is uninitialised memory a thread keeps from call to call up
+    to a size, and fresh memory past it: a small call repeated after a larger one and after one past that size
+    (eight single-thread rows of 16 heads: 66k partial floats) gives the same bits as the first time."""
+    small = _pool_case(dtype, 16, [20], seed=1)
+    larger = _pool_case(dtype, 16, [300, 7, 129], seed=2)
+    past_cache = _pool_case(dtype, 16, [40, 70, 3, 90, 16, 33, 64, 5], seed=3)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = native_cpu.mla_decode_attention(*small, 0.1, _ext=ext)
+        for other in (larger, past_cache):
+            out = native_cpu.mla_decode_attention(*other, 0.1, _ext=ext)
+            exact = mla_decode_attention_oracle(*other, 0.1)[0]
+            assert (out.double() - exact).abs().max().item() <= _DECODE_TOL[dtype]
+            assert torch.equal(native_cpu.mla_decode_attention(*small, 0.1, _ext=ext), first)
+    finally:
+        torch.set_num_threads(previous)
+    assert (first.double() - mla_decode_attention_oracle(*small, 0.1)[0]).abs().max().item() <= _DECODE_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)

@@ -107,16 +107,19 @@ def decode_rows(
     configs, dtypes, *, vllm: bool = True, reference: bool = True, rounds: int = 5, min_run_time: float = 0.2
 ) -> list[dict]:
     """Decode attention over one [NB, bs, L+R] pool (the vLLM layout), split into the latent / k_pe
-    views for the mla ops. configs: (B, ctx, block_size) tuples."""
+    views for the mla ops. configs: (B, ctx, block_size) or (B, ctx, block_size, stagger) tuples: row b
+    attends to ctx - b * stagger positions (stagger 1: a serving batch whose requests started a step apart;
+    default 0, every row ctx)."""
     rows = []
     for dtype in dtypes:
-        for batch, ctx, block_size in configs:
+        for batch, ctx, block_size, *rest in configs:
+            stagger = rest[0] if rest else 0
             g = torch.Generator().manual_seed(0)
             blocks = -(-ctx // block_size)
             num_blocks = batch * blocks + 4
             pool = torch.randn(num_blocks, block_size, L + R, generator=g).to(dtype)
             tables = torch.randperm(num_blocks, generator=g)[: batch * blocks].view(batch, blocks).int()
-            lens = torch.full((batch,), ctx, dtype=torch.int32)
+            lens = (ctx - stagger * torch.arange(batch)).int()
             q = torch.randn(batch, N, L + R, generator=g).to(dtype)
             q_latent, q_pe = q[..., :L].contiguous(), q[..., L:].contiguous()
             key_cache, value_cache = pool[..., :L].unsqueeze(2), pool[..., L:].unsqueeze(2)
@@ -135,7 +138,7 @@ def decode_rows(
             row = {
                 "dtype": str(dtype).removeprefix("torch."),
                 "B": batch,
-                "ctx": ctx,
+                "ctx": ctx if not stagger else f"{ctx - stagger * (batch - 1)}-{ctx}",
                 "block": block_size,
                 "native_ms": _ms(res, "native"),
                 "engine": engine,
@@ -336,8 +339,13 @@ def call_rows(*, rounds: int = 5, min_run_time: float = 0.2) -> list[dict]:
 
 
 # Short contexts too: what a call costs besides its tokens (the per-call and per-unit work of the kernel) shows there.
-DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (64, 256, 512, 4096, 16384) for b in (1, 8)]
-QUICK_DECODE_CONFIGS = [(1, 64, 16), (1, 256, 16), (1, 4096, 16), (8, 4096, 16), (1, 4096, 64), (8, 4096, 64)]
+# The staggered rows (lengths ctx, ctx - 1, ...) are a serving batch: how the work is split over threads shows there.
+DECODE_CONFIGS = [(b, ctx, bs) for bs in (16, 64) for ctx in (64, 256, 512, 4096, 16384) for b in (1, 8)] + [
+    (8, 512, 16, 1), (8, 4096, 16, 1)
+]
+QUICK_DECODE_CONFIGS = [
+    (1, 64, 16), (1, 256, 16), (1, 4096, 16), (8, 4096, 16), (8, 4096, 16, 1), (1, 4096, 64), (8, 4096, 64)
+]
 
 
 def run(quick: bool = False, vllm: bool = True, rounds: Optional[int] = None) -> dict:

@@ -330,7 +330,9 @@ def _engine_row(label: str, case: tuple[int, int], job: dict, report: dict) -> d
            # the mla-ops kernel bound to the decode op in the engine ("cpu_native", ...)
            "decode_served_by": "/".join(sorted(set(map(str, report["decode_served_by"])))),
            "prefill_s": job["prefill_s"], "decode_s": job["decode_s"], "step_ms": step_ms,
-           "step_min_ms": min(decode) * 1e3, "step_mean_ms": sum(decode) / len(decode) * 1e3}
+           "step_min_ms": min(decode) * 1e3, "step_mean_ms": sum(decode) / len(decode) * 1e3,
+           # torch's thread count in the timed attention calls (vLLM's CPU worker sets it from its CPU binding)
+           "attn_threads": max(job.get("attention_threads") or [0]) or None}
     if job.get("indexer_call_s"):
         row["indexer_call_ms"] = job["indexer_call_s"][len(job["indexer_call_s"]) // 2] * 1e3
         attn_call_ms += row["indexer_call_ms"]
@@ -408,29 +410,31 @@ def host_decode_kernels(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tenso
 
 
 def measure_ops(contexts=CONTEXTS, batch_sizes=BATCH_SIZES, *, heads: int = 16, dtype=torch.bfloat16,
-                reps: int = 50, num_blocks: int | None = None) -> list[dict]:
+                reps: int = 50, num_blocks: int | None = None, threads: int | None = None) -> list[dict]:
     """The decode kernels alone, on vLLM's cache layout: `torch.ops.mla.mla_decode_attention` on the split
     views of one `[num_blocks, block_size, 576]` pool against each of vLLM's own decode kernels that runs
     on this CPU (:func:`host_decode_kernels`: CPU_MLA on a block-16 pool, AMX_MLA on a block-32 one), same
-    inputs (V2-Lite's 16 heads, shuffled blocks). Rows: `host` (vLLM backend), `context`, `batch`,
-    `mla_ms`, `vllm_ms` (minimum over `reps` calls, the figure least disturbed by other load) and
-    `mla_vs_vllm` (time ratio). Shows how much of the engine-level gap is the kernel. `num_blocks`
-    (default: enough 16-token blocks for the largest batch at the longest context)."""
+    inputs (V2-Lite's 16 heads, shuffled blocks, the batch's lengths a step apart: context, context - 1,
+    ..., as in the engine, whose requests start decoding in successive steps). Rows: `host` (vLLM
+    backend), `context`, `batch`, `threads`, `mla_ms`, `vllm_ms` (minimum over `reps` calls, the figure
+    least disturbed by other load) and `mla_vs_vllm` (time ratio). Shows how much of the engine-level gap
+    is the kernel. `num_blocks` (default: enough 16-token blocks for the largest batch at the longest
+    context); `threads` (default: torch's current count): the engine's, which `measure` reports per row
+    (`attn_threads`: vLLM's CPU worker binds one thread to each CPU it is given)."""
     import mla_ops  # noqa: F401
 
     if num_blocks is None:
         num_blocks = max(4096, max(batch_sizes) * -(-max(contexts) // 16))
-
-    # one thread, as vLLM's CPU worker runs the model on this machine ("Reducing Torch threads from 2 to 1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous = torch.get_num_threads()
+    threads = threads or previous
+    torch.set_num_threads(threads)
     try:
-        return _measure_ops(contexts, batch_sizes, heads, dtype, reps, num_blocks)
+        return _measure_ops(contexts, batch_sizes, heads, dtype, reps, num_blocks, threads)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
 
 
-def _measure_ops(contexts, batch_sizes, heads, dtype, reps, num_blocks) -> list[dict]:
+def _measure_ops(contexts, batch_sizes, heads, dtype, reps, num_blocks, threads) -> list[dict]:
     import time
 
     gen = torch.Generator().manual_seed(0)
@@ -446,7 +450,7 @@ def _measure_ops(contexts, batch_sizes, heads, dtype, reps, num_blocks) -> list[
                                      f"{context}")
                 table = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
                 table = table.to(torch.int32)
-                seq_lens = torch.full((batch,), context, dtype=torch.int32)
+                seq_lens = (context - torch.arange(batch)).to(torch.int32)
                 q = torch.randn(batch, heads, 576, generator=gen).to(dtype)
                 host_kernel = host_decode_kernels(q, pool, table, seq_lens, 0.1).get(host)
                 if host_kernel is None:
@@ -465,8 +469,8 @@ def _measure_ops(contexts, batch_sizes, heads, dtype, reps, num_blocks) -> list[
                         fn()
                         times.append(time.perf_counter() - t)
                     best[name] = min(times) * 1e3
-                rows.append({"host": host, "context": context, "batch": batch, "mla_ms": best["mla"],
-                             "vllm_ms": best["vllm"], "mla_vs_vllm": best["mla"] / best["vllm"]})
+                rows.append({"host": host, "context": context, "batch": batch, "threads": threads,
+                             "mla_ms": best["mla"], "vllm_ms": best["vllm"], "mla_vs_vllm": best["mla"] / best["vllm"]})
     return rows
 
 
@@ -547,7 +551,9 @@ def run_preset(preset: str = "tiny", *, family: str = "deepseek_v2", model: str 
     load_after = os.getloadavg()[0]
     op_contexts = sorted({c for c, _ in requested})
     op_batches = sorted({b for _, b in requested})
-    op_rows = measure_ops(contexts=op_contexts, batch_sizes=op_batches, heads=heads, dtype=getattr(torch, dtype))
+    engine_threads = max((r["attn_threads"] for r in rows if r.get("attn_threads")), default=None)
+    op_rows = measure_ops(contexts=op_contexts, batch_sizes=op_batches, heads=heads, dtype=getattr(torch, dtype),
+                          threads=engine_threads)
     default_routes = {b: routes.decide(b).describe(b) for b in routes.HOST_KERNELS if b != "ASCEND_MLA"}
     model_desc = model
     if model is None:
@@ -579,7 +585,10 @@ def format_report(result: dict) -> str:
     if result["rows"]:
         parts.append(format_rows(result["rows"]))
     parts += [_skipped_line(family, case) for case in result["skipped"]]
-    parts.append("\ndecode kernel alone (vLLM's cache layout, min of 50 calls, 1 thread)")
+    threads = "/".join(str(t) for t in sorted({r.get("threads", 1) for r in result["op_rows"]}))
+    source = "as in the engine" if any(r.get("attn_threads") for r in result["rows"]) else "torch's"
+    parts.append(f"\ndecode kernel alone (vLLM's cache layout, lengths a step apart, min of 50 calls, "
+                 f"{threads} thread(s), {source})")
     parts.append(format_op_rows(result["op_rows"]))
     parts.append("\nthe plugin's default on this machine (MLA_OPS_VLLM_ROUTE=auto):")
     parts += [f"  {line}" for line in result["default_routes"].values()]

@@ -47,7 +47,8 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     `decode_step_s` (sorted times of the full-batch decode steps), `decode_s` (their sum),
     `decode_step_median_s`, `total_s`, `mqa_call_s` (sorted times of every decode attention call,
     `forward_mqa`, of every layer, in the full-batch decode steps), `indexer_call_s` (the same for a
-    sparse model's indexer, empty for dense models); its outputs carry token ids only. Timed jobs need the in-process
+    sparse model's indexer, empty for dense models), `attention_threads` (torch's thread counts in those
+    calls); its outputs carry token ids only. Timed jobs need the in-process
     engine (TP 1).
 
     Report: `{"vllm": version, "layers": [{"layer", "impl", "backend"}] (every worker's), "calls":
@@ -200,6 +201,8 @@ def _stepped(llm, prompts, params) -> tuple[list[dict], list[float], list[bool],
 
 # seconds of every timed call in this process: decode attention ("mqa") and the sparse models' indexer
 _CALL_TIMES: dict[str, list[float]] = {"mqa": [], "indexer": []}
+# torch's thread count in those calls (vLLM's CPU worker sets it when it binds its threads to its CPUs)
+_CALL_THREADS: set[int] = set()
 # prompt length of a "short" warm-up: a few cache blocks (16 tokens each on CPU_MLA)
 _SHORT_WARMUP_TOKENS = 64
 
@@ -210,6 +213,7 @@ def _time_attention_calls(sparse: bool) -> None:
     the running engine. For a `sparse` model (served by the plugin only), CPU_MLA_SPARSE's `forward_mqa`
     and every call of its indexer (`MlaOpsIndexer.forward`: projections, key write, top-k) as "indexer".
     Wraps the methods (same arguments, same result); used by timed jobs only."""
+    import torch
     from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
@@ -227,6 +231,7 @@ def _time_attention_calls(sparse: bool) -> None:
         original = getattr(cls, name)  # the method the instances run (the plugin's comes from its mixin)
 
         def timed(self, *args, _original=original, _calls=_CALL_TIMES[kind], **kwargs):
+            _CALL_THREADS.add(torch.get_num_threads())
             t = time.perf_counter()
             result = _original(self, *args, **kwargs)
             _calls.append(time.perf_counter() - t)
@@ -290,6 +295,7 @@ def _child(spec_path: str, out_path: str) -> None:
                 warmup = [TokensPrompt(prompt_token_ids=p[:_SHORT_WARMUP_TOKENS]) for p in job["prompts"]]
             _stepped(llm, warmup, params(job["max_tokens"]))  # warm-up: first-call costs of every shape
             row["outputs"], row["step_s"], flags, calls = _stepped(llm, prompts, params(job["max_tokens"]))
+            row["attention_threads"] = sorted(_CALL_THREADS)
             for kind in _CALL_TIMES:  # the calls of the full-batch decode steps
                 row[f"{kind}_call_s"] = sorted(t for step, flag in zip(calls, flags) if flag for t in step[kind])
             decode = sorted(t for t, flag in zip(row["step_s"], flags) if flag)

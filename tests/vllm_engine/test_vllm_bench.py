@@ -11,6 +11,8 @@ def test_bench_vllm_times_the_route_on_the_backend_vllm_picks():
     assert [(r["backend"], r["attention_backend"]) for r in rows] == [
         ("mla-ops", "AMX_MLA" if AMX else "CPU_MLA"), ("vllm", "AMX_MLA" if AMX else "CPU_MLA")]
     assert all(r["attn_call_ms"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    # the thread count the engine's attention calls ran with (vLLM's CPU worker binds one per CPU it is given)
+    assert all(r["attn_threads"] >= 1 for r in rows)
     assert rows[0]["attn_vs_vllm"] > 0
     assert "attn ms" in bench_vllm.format_rows(rows)
 
@@ -35,7 +37,7 @@ def test_bench_vllm_kernel_rows_cover_every_host_kernel_of_this_cpu():
     rows = bench_vllm.measure_ops(contexts=(256,), batch_sizes=(1, 2), reps=2, num_blocks=64)
     assert {r["host"] for r in rows} == ({"CPU_MLA", "AMX_MLA"} if AMX else {"CPU_MLA"})
     assert len(rows) == 2 * (2 if AMX else 1)
-    assert all(r["mla_ms"] > 0 and r["vllm_ms"] > 0 for r in rows)
+    assert all(r["mla_ms"] > 0 and r["vllm_ms"] > 0 and r["threads"] == torch.get_num_threads() for r in rows)
 
 
 def test_host_kernels_compute_the_same_attention():

@@ -10,10 +10,11 @@
 // `SparsePositions` say where entry t is cached), so everything below serves both.
 //
 // Every head attends over the same cached rows, so the kernel is organised around the cache:
-// each work unit owns one chunk of one sequence's context and ALL heads (head folding: a cached
+// each work unit owns one piece of one sequence's context and ALL heads (head folding: a cached
 // row is read once for the N heads), walks it in tiles of tokens, scores each tile against every
 // head, and accumulates every head's output with an online (flash-decoding style) softmax in fp32.
-// Units split a sequence's context (split-K) so one sequence keeps every core busy; a final pass
+// Units split a sequence's context (split-K), one equal slice of the batch's positions per thread, so one
+// sequence keeps every core busy and unequal lengths still load every core alike; a final pass
 // merges the per-unit (max, sum, accumulator) triples per head and writes the output dtype.
 //
 // Three tile engines, picked at run time (`choose_engine`; `attention_engine` names the choice):
@@ -52,6 +53,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -139,16 +141,44 @@ struct Geometry {
   int64_t ks3, vs3;  // element strides of a cached row
 };
 
+// Who holds an UninitFloats: at most one of each kind is alive on a thread at a time (the calling thread's partials,
+// and, on every thread the call runs on, its tile engine's block and its score buffers).
+enum class Scratch { kPartials, kTileBlock, kScores, kCount };
+
 // A float buffer left uninitialised, for what a kernel writes before it reads: std::vector<float>(n)
 // zero-fills, and for the fp32 engines' staging rows and transposed query and accumulator (≈ 190 KB a
-// thread at V2-Lite dims) that memset was paid on every call, however short.
+// thread at V2-Lite dims) that memset was paid on every call, however short. A buffer of up to
+// kCachedFloats comes from its thread's cache, one block per Scratch kind kept from call to call, so a
+// steady stream of small calls allocates nothing: a fresh block of tens of KiB per call also had malloc
+// consolidate its fast bins first, ≈ 7% of the C++ side of a tiny decode call. Larger buffers are
+// allocated and freed per call, so no thread keeps more than kCachedFloats per kind (768 KiB in all).
 class UninitFloats {
  public:
-  explicit UninitFloats(size_t n) : data_(new float[n]) {}
-  float* data() { return data_.get(); }
+  static constexpr size_t kCachedFloats = size_t{1} << 16;
+
+  UninitFloats(size_t n, Scratch kind) {
+    if (n > kCachedFloats) {
+      owned_.reset(new float[n]);
+      data_ = owned_.get();
+      return;
+    }
+    thread_local std::array<std::unique_ptr<float[]>, static_cast<size_t>(Scratch::kCount)> blocks;
+    thread_local std::array<size_t, static_cast<size_t>(Scratch::kCount)> sizes{};
+    const size_t k = static_cast<size_t>(kind);
+    if (sizes[k] < n) {
+      blocks[k].reset();  // release the smaller block before taking the larger one
+      blocks[k].reset(new float[n]);
+      sizes[k] = n;
+    }
+    data_ = blocks[k].get();
+  }
+  UninitFloats(const UninitFloats&) = delete;
+  UninitFloats& operator=(const UninitFloats&) = delete;
+  float* data() { return data_; }
 
  private:
-  std::unique_ptr<float[]> data_;
+  std::unique_ptr<float[]> owned_;  // a buffer past the cache's size, this call's own
+  float* data_;
 };
 
 // A tile's cached rows as fp32 row pointers, for the fp32 engines: fp32 rows with unit stride are
@@ -181,7 +211,8 @@ class F32Rows {
         lat_stride_(g.L + 16),
         pe_stride_(g.R + 16),
         zeros_size_(std::max(g.L, g.R)),
-        block_(whole_lines(kTile * lat_stride_) + whole_lines(kTile * pe_stride_) + whole_lines(zeros_size_) + extra),
+        block_(whole_lines(kTile * lat_stride_) + whole_lines(kTile * pe_stride_) + whole_lines(zeros_size_) + extra,
+               Scratch::kTileBlock),
         lat32_(block_.data()),
         pe32_(lat32_ + whole_lines(kTile * lat_stride_)),
         zeros_(pe32_ + whole_lines(kTile * pe_stride_)),
@@ -1006,8 +1037,10 @@ inline bool lane_softmax(float* st, int64_t nt, int64_t np, float scale, float* 
   return rescale;
 }
 
-// The smallest unit of work the driver splits a row into (see attention_kernel's split).
-constexpr int64_t kMinUnitEntries = 64;
+// The shortest slice of work a thread gets (see attention_kernel's split).
+constexpr int64_t kMinSliceEntries = 64;
+// The shortest piece a slice boundary may cut off a row (see attention_kernel's split); under kMinSliceEntries / 2.
+constexpr int64_t kMinPieceEntries = 16;
 
 // Attention of every query row over its `entries[row]` entries (where they are cached: `positions`).
 template <typename T, typename Tiles, typename Positions>
@@ -1031,26 +1064,45 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   const Query* ql_all;
   const Query* qp_all;
 
-  // Split-K: each row cut into equal units of at most `chunk` entries, about min(B, 4) units a thread (one row
-  // needs one equal unit per thread; more rows, up to 4 units a thread, balance mixed lengths), but not below
-  // kMinUnitEntries: a unit costs its own accumulator transpose and merge (≈ N * L moves each, a few µs at
-  // V2-Lite dims) and a parallel region its start, against ≈ 0.5 µs a token on one core.
-  int64_t total = 0;
+  // Split-K by work, not by row: the rows' entries laid end to end and cut into one equal slice per thread,
+  // each slice at least kMinSliceEntries long; a slice holds one unit per row it overlaps (a unit costs its
+  // own accumulator transpose and merge, ≈ N * L moves, a few µs at V2-Lite dims, against ≈ 0.5 µs a token on
+  // one core). Every thread gets the same number of entries whatever the lengths: a row is cut only where a
+  // slice ends inside it, and a cut that would leave a piece under kMinPieceEntries moves to that row's
+  // edge. (Equal pieces per row handed out by count leave threads unequal when lengths differ by a few
+  // entries: eight rows of 1045-1051 entries on two threads became 11 pieces, 6 on one thread and 5 on the
+  // other, one thread doing 5 rows' work while the other did 3.)
+  Counts starts(B + 1, 0);  // row b's entries are [starts[b], starts[b + 1]) of the concatenation
   for (int64_t b = 0; b < B; ++b)
-    if (__builtin_add_overflow(total, entries[b], &total)) total = std::numeric_limits<int64_t>::max();
+    TORCH_CHECK(!__builtin_add_overflow(starts[b], std::max<int64_t>(entries[b], 0), &starts[b + 1]),
+                "mla native attention kernels: the attended lengths sum past int64");
+  const int64_t total = starts[B];
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(kMinUnitEntries, total / (std::min<int64_t>(B, 4) * threads) + 1);
+  const int64_t slices = std::clamp<int64_t>(total / kMinSliceEntries, 1, threads);
+  const int64_t base = total / slices, longer = total % slices;  // the first `longer` slices get one more
+  Counts cuts(slices + 1, total);  // slice s is [cuts[s], cuts[s + 1])
+  cuts[0] = 0;
+  for (int64_t s = 1, b = 0; s < slices; ++s) {
+    int64_t cut = s * base + std::min(s, longer);  // < total: base >= kMinSliceEntries
+    while (starts[b + 1] <= cut) ++b;  // the row holding position `cut`
+    if (cut - starts[b] < kMinPieceEntries) cut = starts[b];
+    else if (starts[b + 1] - cut < kMinPieceEntries) cut = starts[b + 1];
+    cuts[s] = cut;  // moved by under kMinPieceEntries < base / 2: the cuts stay ordered
+  }
   c10::SmallVector<Unit, 8> units;
-  Counts first_unit(B + 1, 0);
+  Counts first_unit(B + 1, 0), slice_first(slices + 1, 0);
+  int64_t slice = 0;
   for (int64_t b = 0; b < B; ++b) {
     first_unit[b] = static_cast<int64_t>(units.size());
-    const int64_t n = entries[b];
-    if (n <= 0) continue;
-    const int64_t pieces = n / chunk + (n % chunk != 0);
-    const int64_t size = n / pieces + (n % pieces != 0);  // pieces * size >= n; no sum below can overflow
-    for (int64_t t0 = 0; t0 < n; t0 += std::min(size, n - t0)) units.push_back({b, t0, t0 + std::min(size, n - t0)});
+    for (int64_t g = starts[b]; g < starts[b + 1];) {
+      while (cuts[slice + 1] <= g) slice_first[++slice] = static_cast<int64_t>(units.size());
+      const int64_t e = std::min(starts[b + 1], cuts[slice + 1]);
+      units.push_back({b, g - starts[b], e - starts[b]});
+      g = e;
+    }
   }
   first_unit[B] = static_cast<int64_t>(units.size());
+  while (slice < slices) slice_first[++slice] = first_unit[B];
   const int64_t U = first_unit[B];
 
   // Per unit and head: running max, running sum, unnormalised accumulator [L] (every unit initialises its own
@@ -1058,7 +1110,7 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   // allocation.
   constexpr bool kConvertsQueries = !std::is_same_v<T, Query>;
   static_assert(!kConvertsQueries || std::is_same_v<Query, float>, "the engines take their cache dtype or fp32 queries");
-  UninitFloats partials(U * N * (L + 2) + (kConvertsQueries ? B * N * (L + R) : 0));
+  UninitFloats partials(U * N * (L + 2) + (kConvertsQueries ? B * N * (L + R) : 0), Scratch::kPartials);
   float* const acc_all = partials.data();
   float* const m_all = acc_all + U * N * L;
   float* const l_all = m_all + U * N;
@@ -1093,19 +1145,19 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
     }
   };
 
-  at::parallel_for(0, U, 1, [&](int64_t u_begin, int64_t u_end) {
+  at::parallel_for(0, slices, 1, [&](int64_t s_begin, int64_t s_end) {
     Tiles tiles(geo);
     constexpr int64_t W = fVec::size();
     const int64_t NP = (N + W - 1) / W * W;  // heads padded to whole vectors (the lane engines' layout)
     // scores [NP, kTile], probs [N, kTile] and the lane engines' running max, sum and rescale factor per
     // head [NP] each: every one written before it is read, so one uninitialised block
-    UninitFloats buffers(NP * kTile + N * kTile + 3 * NP);
+    UninitFloats buffers(NP * kTile + N * kTile + 3 * NP, Scratch::kScores);
     float* const scores = buffers.data();
     float* const probs = scores + NP * kTile;
     float* const m_lanes = probs + N * kTile;
     float* const l_lanes = m_lanes + NP;
     float* const alpha = l_lanes + NP;
-    for (int64_t u = u_begin; u < u_end; ++u) {
+    for (int64_t u = slice_first[s_begin]; u < slice_first[s_end]; ++u) {
       const Unit unit = units[u];
       float* acc = acc_all + u * N * L;
       float* m = m_all + u * N;
