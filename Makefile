@@ -32,7 +32,8 @@ lint: $(STAMP)
 
 # The original inference script on the built-in model (fused KV prolog, graph mode), then two short
 # baseline-vs-fused benchmarks with verdicts: the original dense comparison, and the paged latent cache
-# against stock's cache at a 1024-token context (about two minutes together). One torch thread, timed
+# against stock's cache at a 1024-token context (minutes: about 9 for the paged one on an AVX2-only
+# 2-core CPU). One torch thread, timed
 # by the process's CPU time: with two threads on a 2-core machine any other job stalls every parallel
 # region (runs 10x slower, measured), and wall-clock verdicts would follow the neighbours' load.
 # Outputs go to out/ (ignored by git).
