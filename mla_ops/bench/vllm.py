@@ -450,7 +450,7 @@ def _measure_ops(contexts, batch_sizes, heads, dtype, reps, num_blocks, threads)
                                      f"{context}")
                 table = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
                 table = table.to(torch.int32)
-                seq_lens = (context - torch.arange(batch)).to(torch.int32)
+                seq_lens = (context - torch.arange(batch)).clamp_min(1).to(torch.int32)
                 q = torch.randn(batch, heads, 576, generator=gen).to(dtype)
                 host_kernel = host_decode_kernels(q, pool, table, seq_lens, 0.1).get(host)
                 if host_kernel is None:
