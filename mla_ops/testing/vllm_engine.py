@@ -294,6 +294,7 @@ def _child(spec_path: str, out_path: str) -> None:
             if job.get("warmup", "full") == "short":
                 warmup = [TokensPrompt(prompt_token_ids=p[:_SHORT_WARMUP_TOKENS]) for p in job["prompts"]]
             _stepped(llm, warmup, params(job["max_tokens"]))  # warm-up: first-call costs of every shape
+            _CALL_THREADS.clear()  # the timed run's calls only
             row["outputs"], row["step_s"], flags, calls = _stepped(llm, prompts, params(job["max_tokens"]))
             row["attention_threads"] = sorted(_CALL_THREADS)
             for kind in _CALL_TIMES:  # the calls of the full-batch decode steps

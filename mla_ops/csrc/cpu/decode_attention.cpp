@@ -149,7 +149,7 @@ enum class Scratch { kPartials, kTileBlock, kScores, kCount };
 // zero-fills, and for the fp32 engines' staging rows and transposed query and accumulator (≈ 190 KB a
 // thread at V2-Lite dims) that memset was paid on every call, however short. A buffer of up to
 // kCachedFloats comes from its thread's cache, one block per Scratch kind kept from call to call, so a
-// steady stream of small calls allocates nothing: a fresh block of tens of KiB per call also had malloc
+// steady stream of small calls allocates nothing: a fresh block of tens of KiB per call also makes malloc
 // consolidate its fast bins first, ≈ 7% of the C++ side of a tiny decode call. Larger buffers are
 // allocated and freed per call, so no thread keeps more than kCachedFloats per kind (768 KiB in all).
 class UninitFloats {
@@ -1067,11 +1067,11 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
   // Split-K by work, not by row: the rows' entries laid end to end and cut into one equal slice per thread,
   // each slice at least kMinSliceEntries long; a slice holds one unit per row it overlaps (a unit costs its
   // own accumulator transpose and merge, ≈ N * L moves, a few µs at V2-Lite dims, against ≈ 0.5 µs a token on
-  // one core). Every thread gets the same number of entries whatever the lengths: a row is cut only where a
-  // slice ends inside it, and a cut that would leave a piece under kMinPieceEntries moves to that row's
-  // edge. (Equal pieces per row handed out by count leave threads unequal when lengths differ by a few
-  // entries: eight rows of 1045-1051 entries on two threads became 11 pieces, 6 on one thread and 5 on the
-  // other, one thread doing 5 rows' work while the other did 3.)
+  // one core). Every thread gets the same number of entries, to within kMinPieceEntries, whatever the
+  // lengths: a row is cut only where a slice ends inside it, and a cut that would leave a piece under
+  // kMinPieceEntries moves to that row's edge. (Equal pieces per row handed out by count leave threads
+  // unequal when lengths differ by a few entries: eight rows of 1045-1051 entries on two threads make 11
+  // pieces, 6 on one thread and 5 on the other, one thread doing 5 rows' work while the other does 3.)
   Counts starts(B + 1, 0);  // row b's entries are [starts[b], starts[b + 1]) of the concatenation
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(!__builtin_add_overflow(starts[b], std::max<int64_t>(entries[b], 0), &starts[b + 1]),
