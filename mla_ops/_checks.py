@@ -80,6 +80,26 @@ def check_writable_layout(op: str, name: str, t: torch.Tensor) -> None:
     )
 
 
+# The kernels scale scores in float32: a scale that is no normal float32 number would become inf or 0
+# (1e39, 1e-46) or lose precision and be flushed to zero where the hardware runs with FTZ/DAZ (a
+# subnormal such as 1e-40), so the answer would depend on the backend. Python floats print these bounds
+# as 1.1754943508222875e-38 and 3.4028234663852886e+38.
+FLOAT32_NORMAL_MIN = torch.finfo(torch.float32).tiny
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_softmax_scale(op: str, softmax_scale, example: str = "") -> None:
+    """softmax_scale must be a positive normal float32 number: FLOAT32_NORMAL_MIN <= scale <= FLOAT32_MAX
+    (NaN fails both). A traced symbolic scale is left to the kernel."""
+    if not isinstance(softmax_scale, (int, float)):
+        return
+    torch._check(
+        FLOAT32_NORMAL_MIN <= softmax_scale <= FLOAT32_MAX,
+        lambda: f"mla.{op}: softmax_scale must be a positive normal float32 number{example}, within "
+        f"[{FLOAT32_NORMAL_MIN!r}, {FLOAT32_MAX!r}] (the kernels scale in float32), got {softmax_scale!r}",
+    )
+
+
 # Where the rotation pairs are, and where the rotated pair goes:
 #   "interleaved": pairs (x[2i], x[2i+1]), written back in place (transformers' DeepSeek-V2 apply_rotary_emb);
 #   "half": pairs (x[2i], x[2i+1]), written de-interleaved to (out[i], out[i+D/2]) (the hub DeepSeek code,

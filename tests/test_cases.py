@@ -143,6 +143,23 @@ def test_kernel_matches_the_oracle(variant, op, dtype, name):
         suites.compare(chosen, op, sample, dtype)
 
 
+def _unchecked_cases():
+    return [pytest.param(variant.name, op, dtype, sample.name,
+                         id=f"{op}-{_dtype_id(dtype)}-{sample.name}-{variant.name}")
+            for variant in VARIANTS.values() if variant.serving is None
+            for op, cases in CASES.items() if variant.has_kernel(op)
+            for dtype in ALL_DTYPES for sample in cases.unchecked_samples(dtype)]
+
+
+@pytest.mark.parametrize("variant,op,dtype,name", _unchecked_cases())
+def test_unchecked_path_answers_values_the_host_checks_refuse(variant, op, dtype, name):
+    """The sync-free device paths validate nothing (no host sync): on values the CPU checks refuse they
+    give the oracle's answer for entries that address nothing (none), reading nothing out of bounds."""
+    sample = next(s for s in CASES[op].unchecked_samples(dtype) if s.name == name)
+    with torch.no_grad():
+        suites.compare(VARIANTS[variant], op, sample, dtype)
+
+
 def test_the_reference_kernels_are_checked_whatever_the_native_build():
     """The reference variant serves every op and every sample on CPU, so `test_kernel_matches_the_oracle`
     proves the reference kernels in every run, native build or not."""

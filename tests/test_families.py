@@ -8,7 +8,7 @@ comparison also counts the mla ops that ran against what the config says they mu
 and forward), so a path that silently fell back to stock code fails. Families the patch must refuse
 (sparse-attention indexers beyond DeepSeek-V3.2's, forwards doing more) are refused with the reason.
 The DeepSeek Sparse Attention families the patch serves run every test here too (their top-k through
-mla.lightning_indexer, counted); tests/test_sparse_families.py has what is particular to them.
+mla.lightning_indexer in the paged mode, counted); tests/test_sparse_families.py has what is particular to them.
 """
 import json
 import subprocess
@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+import mla_ops
 from mla_ops.integrations import transformers as patch
 from mla_ops.integrations.transformers import families
 from mla_ops.testing.suites import GraphCapture
@@ -44,8 +45,10 @@ LATENT_PROLOG = {"longcat_flash"}
 PROMPT_LEN, NEW_TOKENS = 12, 6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Prefill option sets (the paged cache is refused for the hybrids: see test_greedy_tokens_equal_to_stock).
-PREFILL_OPTIONS = {"kv_prolog+rope+rms_norm": dict(rope=True, rms_norm=True), "q_prolog": dict(q_prolog=True),
-                   "rope-only": dict(kv_prolog=False, rope=True), "paged": dict(rope=True, cache="paged")}
+PREFILL_OPTIONS = {"kv_prolog+rope+rms_norm": dict(rope=True, rms_norm=True, cache="dense"),
+                   "q_prolog": dict(q_prolog=True, cache="dense"),
+                   "rope-only": dict(kv_prolog=False, rope=True, cache="dense"),
+                   "paged": dict(rope=True, cache="paged")}
 
 
 def _model(family, attn="sdpa", seed=0, dtype=torch.float32, **overrides):
@@ -82,9 +85,10 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
     * paged: latent_kv_prolog and scatter_pa_kv_cache every forward, q_pe through mla.rope, and
       mla_decode_attention in every decode step (never a dense kv_prolog, never the stock cache);
     * rms_norm=True: every RMSNorm module of the model once, except kv_a_layernorm (inside the prolog);
-    * sparse attention: lightning_indexer in every layer with its own indexer (not the "shared" ones of
-      config.indexer_types), which in the paged mode also writes its keys with scatter_pa_cache; the
-      paged decode attends with sparse_mla_attention instead of mla_decode_attention.
+    * sparse attention, paged mode: lightning_indexer in every layer with its own indexer (not the "shared"
+      ones of config.indexer_types), which also writes its keys with scatter_pa_cache; the paged decode
+      attends with sparse_mla_attention instead of mla_decode_attention. Dense mode selects with the
+      stock indexer (no op call: its torch.topk choice among tied scores is stock's only that way).
     """
     layers = mla_families.mla_layers(model.config)
     indexed = mla_families.indexer_layers(model.config)
@@ -96,7 +100,6 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
         calls = {op: n * forwards for op, n in per_forward.items()}
         decode = "sparse_mla_attention" if indexed else "mla_decode_attention"
         return {**calls, decode: layers * decode_steps} if decode_steps else calls
-    per_forward.update(sparse)
     kv_prolog = options.get("kv_prolog", True)
     if kv_prolog:
         per_forward["latent_kv_prolog" if family in LATENT_PROLOG else "kv_prolog"] = layers
@@ -199,7 +202,7 @@ SPARSE_REFUSALS = {
 def test_sparse_attention_families_are_refused_with_the_reason(family):
     model = _model(family, attn="eager")
     with pytest.raises(NotImplementedError, match=f"cannot be patched: sparse attention: .*{SPARSE_REFUSALS[family]}"):
-        patch.apply(model)
+        mla_ops.patch(model, cache="dense")
     assert not patch.active_patches()
     assert all("forward" not in m.__dict__ for m in model.modules())
 
@@ -215,14 +218,14 @@ def test_prefill_logits_bit_identical(family, options, dtype):
     options = PREFILL_OPTIONS[options]
     if options.get("q_prolog") and family == "longcat_flash":
         with pytest.raises(ValueError, match="scales q between q_b_proj and RoPE"):
-            patch.apply(model, **options)
+            mla_ops.patch(model, **options)
         return
     if options.get("cache") == "paged" and family in HYBRID:
         return  # refused: test_greedy_tokens_equal_to_stock
     ids = _prompt()
     with torch.no_grad():
         expected = model(ids).logits
-        with patch.apply(model, **options) as handle, MlaCalls() as calls:
+        with mla_ops.patch(model, **options) as handle, MlaCalls() as calls:
             got = model(ids).logits
             assert handle.patched_modules >= 1
     assert calls.counts == expected_calls(family, model, options)
@@ -245,12 +248,12 @@ def test_greedy_tokens_equal_to_stock(family, cache, dtype):
     ids = _prompt()
     if cache == "paged" and family in HYBRID:
         with pytest.raises(NotImplementedError, match="mixes MLA layers with layers of another kind"):
-            patch.apply(model, cache="paged")
+            mla_ops.patch(model, cache="paged")
         return
     options = dict(cache=cache, rope=True)
     with torch.no_grad():
         expected = _greedy(model, ids, output_logits=True, return_dict_in_generate=True)
-        with patch.apply(model, **options), MlaCalls() as calls:
+        with mla_ops.patch(model, **options), MlaCalls() as calls:
             got = _greedy(model, ids, output_logits=True, return_dict_in_generate=True)
     decode_steps = NEW_TOKENS - 1
     assert calls.counts == expected_calls(family, model, options, forwards=NEW_TOKENS,
@@ -290,8 +293,8 @@ def test_the_fp32_rotation_is_an_option(family):
     with torch.no_grad():
         expected = model(ids).logits
         for rounding in ("stock", "float32"):
-            with patch.apply(model, rope=True, q_prolog=family not in LATENT_PROLOG,
-                             rope_compute_dtype=rounding), MlaRoundings() as calls:
+            with mla_ops.patch(model, rope=True, q_prolog=family not in LATENT_PROLOG,
+                               rope_compute_dtype=rounding, cache="dense"), MlaRoundings() as calls:
                 got = model(ids).logits
             wanted = EXPECTED_ROUNDING[family] if rounding == "stock" else "float32"
             assert calls.roundings and {d for _, d in calls.roundings} == {wanted}, calls.roundings
@@ -326,7 +329,7 @@ def test_compile_fullgraph_keeps_the_ops_as_nodes(family):
     model = _model(family)
     ids = _prompt(batch=1)
     capture = GraphCapture()
-    with torch.no_grad(), patch.apply(model, rope=True):
+    with torch.no_grad(), mla_ops.patch(model, rope=True, cache="dense"):
         torch._dynamo.reset()
         if family in ATTENTION_ONLY_COMPILE:
             attn, kwargs = _attention_call(model, ids)
@@ -348,7 +351,7 @@ def test_revert_restores_the_stock_model(family):
     stock_forwards = _forwards(model)
     with torch.no_grad():
         expected = model(ids).logits
-        handle = patch.apply(model, rope=True, rms_norm=True, cache="dense" if family in HYBRID else "paged")
+        handle = mla_ops.patch(model, rope=True, rms_norm=True, cache="dense" if family in HYBRID else "paged")
         assert _forwards(model) != stock_forwards
         model(ids)
         handle.revert()
@@ -365,7 +368,7 @@ def test_deepseek_v3_without_rope_interleave_uses_the_neox_layout(dtype):
     with torch.no_grad():
         expected = model(ids).logits
         expected_tokens = _greedy(model, ids)
-        with patch.apply(model, rope=True, q_prolog=True):
+        with mla_ops.patch(model, rope=True, q_prolog=True, cache="dense"):
             got = model(ids).logits
             got_tokens = _greedy(model, ids)
     assert torch.equal(got, expected) and torch.equal(got_tokens, expected_tokens)
@@ -374,7 +377,7 @@ def test_deepseek_v3_without_rope_interleave_uses_the_neox_layout(dtype):
 def test_class_level_patch_of_a_family():
     cls = families.families_of("deepseek_v3")[0].attention
     stock = cls.forward
-    with patch.apply(family="deepseek_v3", rms_norm=True):
+    with mla_ops.patch(family="deepseek_v3", rms_norm=True, cache="dense"):
         assert cls.forward is patch.mla_attention_forward
         model = _model("deepseek_v3")
         ids = _prompt()
@@ -384,11 +387,11 @@ def test_class_level_patch_of_a_family():
     with torch.no_grad():
         assert torch.equal(got, model(ids).logits)
     with pytest.raises(ValueError, match="family='llama': that model has no multi-head latent attention"):
-        patch.apply(family="llama")
+        mla_ops.patch(family="llama", cache="dense")
     with pytest.raises(ValueError, match="no model_type 'nonesuch'"):
-        patch.apply(family="nonesuch")
+        mla_ops.patch(family="nonesuch", cache="dense")
     with pytest.raises(NotImplementedError, match="sparse attention: .*sinks"):
-        patch.apply(family="hy_v4")
+        mla_ops.patch(family="hy_v4", cache="dense")
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3", "deepseek_v32", "glm_moe_dsa"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_families import SPARSE_SERVED, _model, _prompt, expected_calls
 
+import mla_ops
 from mla_ops.integrations import transformers as patch
 from mla_ops.integrations.transformers import MLAPagedCache, families, indexer
 from mla_ops.testing.suites import GraphCapture
@@ -58,9 +59,34 @@ def test_the_top_k_decides_the_logits(family):
     assert not torch.allclose(sparse, dense, atol=1e-3)
 
 
+# (family, model seed, prompt seed) of a tiny model with 4 indexer heads keeping the top 4 of 24 tokens, its
+# weights N(0, 1): many scores are exactly 0 after the ReLU and tie across the 4th place, so the tie rule
+# decides the keys (the op's lowest-positions-first rule picks others: the paged prefill differs from stock)
+FEW_INDEXER_HEADS = {"deepseek_v32": (0, 1), "glm_moe_dsa": (1, 3)}
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_dense_prefill_bit_identical_where_scores_tie_across_the_kth_place(family):
+    """Dense mode selects as stock does (its indexer forward and torch.topk), so its prefill logits are
+    stock's bit for bit also where exactly equal scores straddle the k-th place; the paged prefill keeps
+    the op's documented rule (equal scores: lower position first) and differs from stock on this prompt,
+    which shows the ties decide."""
+    model_seed, prompt_seed = FEW_INDEXER_HEADS[family]
+    model = _model(family, seed=model_seed, index_n_heads=4, index_topk=4, initializer_range=1.0)
+    ids = torch.randint(3, mla_families.VOCAB, (1, 24), generator=torch.Generator().manual_seed(prompt_seed))
+    with torch.no_grad():
+        expected = model(ids).logits
+        with mla_ops.patch(model, rope=True, cache="dense"):
+            dense = model(ids).logits
+        with mla_ops.patch(model, rope=True, cache="paged"):
+            paged = model(ids).logits
+    assert torch.equal(dense, expected)
+    assert not torch.equal(paged, expected)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("options", [dict(rope=True, rms_norm=True), dict(q_prolog=True),
-                                     dict(kv_prolog=False, rope=True), dict(rope=True, cache="paged")],
+@pytest.mark.parametrize("options", [dict(rope=True, rms_norm=True, cache="dense"), dict(q_prolog=True, cache="dense"),
+                                     dict(kv_prolog=False, rope=True, cache="dense"), dict(rope=True, cache="paged")],
                          ids=["kv_prolog+rope+rms_norm", "q_prolog", "rope-only", "paged"])
 @pytest.mark.parametrize("family", SERVED)
 def test_padded_prefill_logits_bit_identical(family, options, attn):
@@ -70,7 +96,7 @@ def test_padded_prefill_logits_bit_identical(family, options, attn):
     ids, mask = _padded_prompt()
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
-        with patch.apply(model, **options), MlaCalls() as calls:
+        with mla_ops.patch(model, **options), MlaCalls() as calls:
             got = model(ids, attention_mask=mask).logits
     assert calls.counts == expected_calls(family, model, options)
     real = mask.bool()
@@ -100,7 +126,7 @@ def test_padded_greedy_tokens_equal_to_stock(family, static, cache, dtype):
     with torch.no_grad():
         expected = _generate(model, ids, mask, **extra)
         same_prefill = _generate(model, ids, mask) if static and cache == "paged" else expected
-        with patch.apply(model, **options), MlaCalls() as calls:
+        with mla_ops.patch(model, **options), MlaCalls() as calls:
             got = _generate(model, ids, mask, **extra)
     assert calls.counts == expected_calls(family, model, options, forwards=NEW_TOKENS,
                                           decode_steps=NEW_TOKENS - 1 if cache == "paged" else 0)
@@ -125,7 +151,7 @@ def test_prompt_continued_in_a_second_forward(family):
     ids, mask = _padded_prompt()
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
-        with patch.apply(model, rope=True, cache="paged"), MlaCalls() as calls:
+        with mla_ops.patch(model, rope=True, cache="paged"), MlaCalls() as calls:
             cache = MLAPagedCache(model.config, block_size=4)
             first = model(ids[:, :7], attention_mask=mask[:, :7], cache=cache, use_cache=True).logits
             second = model(ids[:, 7:], attention_mask=mask, cache=cache, use_cache=True).logits
@@ -156,7 +182,7 @@ def test_compiled_paged_decode_has_no_graph_break(family):
 
     capture = GraphCapture()
     nxt = ids[:, -1:]
-    with torch.no_grad(), patch.apply(model, rope=True, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, rope=True, cache="paged"):
         eager = _decode_once(model, nxt, prefilled(), ids.shape[1])
         torch._dynamo.reset()
         compiled = _decode_once(torch.compile(model, backend=capture, fullgraph=True), nxt, prefilled(), ids.shape[1])
@@ -168,18 +194,20 @@ def test_compiled_paged_decode_has_no_graph_break(family):
 
 
 @pytest.mark.parametrize("family", SERVED)
-def test_compiled_dense_prefill_has_the_indexer_op(family):
+def test_compiled_dense_prefill_selects_as_stock(family):
+    """One graph: the prolog ops and the stock indexer's own top-k (dense mode selects as stock does)."""
     model = _model(family)
     ids = _prompt(batch=1)
     capture = GraphCapture()
     with torch.no_grad():
         stock = model(ids, use_cache=False).logits
-        with patch.apply(model, q_prolog=True):
+        with mla_ops.patch(model, q_prolog=True, cache="dense"):
             torch._dynamo.reset()
             got = torch.compile(model, backend=capture, fullgraph=True)(ids, use_cache=False).logits
     assert len(capture.graphs) == 1
     targets = capture.call_targets()
-    assert {"mla.lightning_indexer", "mla.q_prolog", "mla.kv_prolog"} <= targets
+    assert {"mla.q_prolog", "mla.kv_prolog"} <= targets and "mla.lightning_indexer" not in targets
+    assert any("topk" in target for target in targets), sorted(targets)
     assert torch.equal(got, stock)
 
 
@@ -198,19 +226,20 @@ def test_shared_layers_reuse_the_previous_layers_top_k():
         with torch.no_grad():
             for cache in ("dense", "paged"):
                 seen.clear()
-                with patch.apply(model, rope=True, cache=cache), MlaCalls() as calls:
+                with mla_ops.patch(model, rope=True, cache=cache), MlaCalls() as calls:
                     model(ids)
                 assert seen["given"] is seen["returned"] and seen["given"].shape[:2] == ids.shape
-                assert calls.counts["lightning_indexer"] == 1
+                # dense mode selects with the stock indexer, the paged mode with the op
+                assert calls.counts.get("lightning_indexer", 0) == (cache == "paged")
     finally:
         for hook in hooks:
             hook.remove()
 
 
 @pytest.mark.parametrize("family", SERVED)
-def test_a_mask_the_indexer_op_cannot_express_is_refused(family):
-    """Two packed sequences in one row (a block-diagonal causal mask) are no request layout of
-    mla.lightning_indexer: refused, not answered with another selection."""
+def test_dense_mode_serves_a_mask_of_packed_sequences_as_stock(family):
+    """Two packed sequences in one row (a block-diagonal causal mask): dense mode's selection is the stock
+    indexer's, which scores against any mask, so the attention output is stock's bit for bit."""
     model = _model(family)
     ids = _prompt(batch=1)
     attn = model.model.layers[0].self_attn
@@ -228,11 +257,11 @@ def test_a_mask_the_indexer_op_cannot_express_is_refused(family):
     packed = torch.ones(seq, seq, dtype=torch.bool).tril()
     packed[6:, :6] = False
     kwargs["attention_mask"] = packed[None, None]
-    with torch.no_grad(), patch.apply(model, rope=True):
-        with pytest.raises(NotImplementedError, match="not causal over each row's keys"):
-            attn(**kwargs)
-        kwargs["attention_mask"] = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
-        attn(**kwargs)  # the causal mask of the same row is served
+    with torch.no_grad():
+        expected = attn(**kwargs)[0]
+        with mla_ops.patch(model, rope=True, cache="dense"):
+            got = attn(**kwargs)[0]
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -260,14 +289,14 @@ def test_revert_and_class_level_patch(family):
     ids, mask = _padded_prompt()
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
-        handle = patch.apply(model, rope=True, cache="paged")
+        handle = mla_ops.patch(model, rope=True, cache="paged")
         model(ids, attention_mask=mask)
         handle.revert()
         assert all(not any(k.startswith("_mla_ops") or k == "forward" for k in m.__dict__) for m in model.modules())
         assert torch.equal(model(ids, attention_mask=mask).logits, expected)
-        with patch.apply(family=family, rope=True), MlaCalls() as calls:
+        with mla_ops.patch(family=family, rope=True, cache="dense"), MlaCalls() as calls:
             got = model(ids, attention_mask=mask).logits
-    assert calls.counts["lightning_indexer"] == mla_families.indexer_layers(model.config)
+    assert calls.counts == expected_calls(family, model, dict(rope=True, cache="dense"))
     real = mask.bool()
     assert torch.equal(got[real], expected[real])
 
@@ -284,6 +313,6 @@ def test_an_indexer_computing_otherwise_is_told_apart_by_running_it():
     for layer in model.model.layers:
         layer.self_attn.indexer = HYV4Indexer(model.config, layer.self_attn.layer_idx)
     with pytest.raises(NotImplementedError, match="picks other keys than DeepSeek-V3.2's indexer"):
-        patch.apply(model)
+        mla_ops.patch(model, cache="dense")
     assert not patch.active_patches()
     assert all("forward" not in m.__dict__ for m in model.modules())

@@ -99,6 +99,31 @@ def check_used_block_ids(op: str, block_tables: Tensor, used: list[int], num_blo
                          f"but is not a block id in [0, {num_blocks})")
 
 
+# ----------------------------------------------------------------------------------- aliasing
+def _storage_bytes(t: Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of `t`'s elements within its storage (strides are never negative)."""
+    first = t.storage_offset()
+    last = first + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return first * t.element_size(), (last + 1) * t.element_size()
+
+
+def overlaps_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether `a` and `b` live in one storage with intersecting byte ranges from their first to their
+    last element: at::get_overlap_status's full and partial overlap for dense tensors; for strided
+    views the ranges decide, so interleaved columns of one pool count as overlapping. Metadata only."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False
+    (a_first, a_end), (b_first, b_end) = _storage_bytes(a), _storage_bytes(b)
+    return a_first < b_end and b_first < a_end
+
+
+def read_before_writing(rows: Tensor, *caches: Tensor) -> Tensor:
+    """`rows`, or a copy of them when they are a view of memory one of `caches` covers: the scatter ops
+    read every input row as it is before the call, whichever rows are written first (the contract of
+    every backend; the native kernels copy in the same case)."""
+    return rows.clone() if any(overlaps_memory(rows, cache) for cache in caches) else rows
+
+
 # ---------------------------------------------------------------------------- addressing helpers
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 

@@ -28,6 +28,7 @@ from .._checks import (
     check_rank,
     check_same_device,
     check_size,
+    check_softmax_scale,
     memo_by_signature,
 )
 from .._library import define_op
@@ -42,11 +43,8 @@ def check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_ta
                                 softmax_scale: float) -> None:
     """q_latent [B, N, L], q_pe [B, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache
     [NB, bs, 1, R] (k_pe); block_tables [B, max_blocks]; seq_lens [B] (including the current token);
-    softmax_scale a finite positive float."""
-    if isinstance(softmax_scale, (int, float)):  # a traced symbolic scale is left to the kernel
-        torch._check(math.isfinite(softmax_scale) and softmax_scale > 0,
-                     lambda: f"mla.{OP}: softmax_scale must be a finite positive number "
-                     f"(e.g. qk_head_dim ** -0.5), got {softmax_scale}")
+    softmax_scale a positive normal float32 number (`check_softmax_scale`)."""
+    check_softmax_scale(OP, softmax_scale, " (e.g. qk_head_dim ** -0.5)")
     check_latent_query_and_caches(OP, "batch", q_latent, q_pe, key_cache, value_cache)
     check_index(OP, "block_tables", block_tables)
     check_rank(OP, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]")

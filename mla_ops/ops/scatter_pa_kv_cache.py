@@ -3,7 +3,9 @@ indexer's key cache): write token rows into paged caches, in place.
 
     key_cache[slot // block_size, slot % block_size] = key[t]     (the same for value)
 
-for every token t with `slot = slot_mapping[t] >= 0`; a negative slot means "padding, skip".
+for every token t with `slot = slot_mapping[t] >= 0`; a negative slot means "padding, skip". Every row
+is read as it is before the call: a `key` / `value` that is a view of memory a cache covers (rows of the
+pool itself) is copied first, so the result never depends on which rows a backend writes first.
 `key [T, Hk, Dk]`, `value [T, Hv, Dv]`, caches `[num_blocks, block_size, H*, D*]` of any strides.
 
 The reference kernel has two paths with one semantics:
@@ -31,6 +33,7 @@ from ._paged import (
     check_cache_pair,
     check_token_tensor,
     first_bad,
+    read_before_writing,
     slot_index,
     validates_on_host,
     wide_rows,
@@ -165,6 +168,8 @@ def scatter_pools_sync_free(pairs, slot_mapping) -> None:
     so the duplicate writes are identical; with no kept token at all, slot 0 is rewritten with its
     own contents. Either way no memory is touched out of bounds.
     """
+    caches = [cache for _, cache in pairs]
+    pairs = [(read_before_writing(src, *caches), cache) for src, cache in pairs]
     first, first_cache = pairs[0]
     num_tokens = first.shape[0]
     if num_tokens == 0:
@@ -187,6 +192,7 @@ def scatter_pa_kv_cache_reference(key: Tensor, value: Tensor, key_cache: Tensor,
         scatter_sync_free(key, value, key_cache, value_cache, slot_mapping)
         return
     kept = check_scatter_values(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
+    key, value = (read_before_writing(rows, key_cache, value_cache) for rows in (key, value))
     slots = slot_mapping.long()
     if not bool(kept.all()):
         slots, key, value = slots[kept], key[kept], value[kept]
@@ -204,6 +210,7 @@ def scatter_pa_cache_reference(key: Tensor, cache: Tensor, slot_mapping: Tensor)
         scatter_pa_cache_sync_free(key, cache, slot_mapping)
         return
     kept = check_scatter_values(slot_mapping, cache.shape[0] * cache.shape[1], ONE_POOL)
+    key = read_before_writing(key, cache)
     slots = slot_mapping.long()
     if not bool(kept.all()):
         slots, key = slots[kept], key[kept]
@@ -233,6 +240,7 @@ def scatter_pa_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cac
         key: `[T, Hk, Dk]`, value: `[T, Hv, Dv]` (for MLA: the latent `[T, 1, L]` and k_pe `[T, 1, R]`).
         key_cache: `[num_blocks, block_size, Hk, Dk]`, value_cache: `[num_blocks, block_size, Hv, Dv]`.
         slot_mapping: `[T]` int32/int64, `slot = block * block_size + offset`; negative = padding, skipped.
+            key / value may be views of the caches' memory: every row is read as it was before the call.
         validate: check slot values before writing. CPU calls always validate; on other devices the
             default (False) skips the host sync, and out-of-range slots are then skipped silently.
     """

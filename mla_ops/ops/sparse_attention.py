@@ -21,15 +21,18 @@ What the indexer keeps of the DeepSeek-V3.2 reference pipeline (`inference/model
 deepseek-ai/DeepSeek-V3.2-Exp): the scores themselves. Its Hadamard rotation of q and k is
 orthogonal (dot products are unchanged) and its fp8 quantisation of both is a storage format; like
 transformers' `deepseek_v32` indexer the op scores the activation-dtype keys in fp32, so it selects
-what transformers selects.
+what transformers selects, except among exactly equal scores straddling the k-th place (below).
 
 Ties: the top-k are the positions of the k highest scores in descending score order, and equal
-scores keep ascending position order (a stable sort): deterministic on every backend. NaN scores
-(from inf/NaN inputs) sort above every number, as torch.sort orders them.
+scores keep ascending position order (a stable sort): deterministic on every backend and path. NaN
+scores (from inf/NaN inputs) sort above every number, as torch.sort orders them. transformers' indexer
+picks with `torch.topk`, which keeps whichever tied positions its partial sort leaves in front (no
+documented rule), so the two can keep other positions where equal scores straddle the k-th place.
+
+`softmax_scale` must be a positive normal float32 number (`check_softmax_scale`): the kernels scale
+in float32.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -41,6 +44,7 @@ from .._checks import (
     check_same_device,
     check_same_dtype,
     check_size,
+    check_softmax_scale,
     memo_by_signature,
 )
 from .._library import define_op
@@ -55,12 +59,6 @@ _CHUNK_ELEMENTS = 1 << 24
 
 
 # ----------------------------------------------------------------------------------------- checks
-def _check_scale(op: str, softmax_scale) -> None:
-    if isinstance(softmax_scale, (int, float)):  # a traced symbolic scale is left to the kernel
-        torch._check(math.isfinite(softmax_scale) and softmax_scale > 0,
-                     lambda: f"mla.{op}: softmax_scale must be a finite positive number, got {softmax_scale}")
-
-
 def _check_requests(op: str, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor) -> None:
     """block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1], all int32/int64."""
     check_index(op, "block_tables", block_tables)
@@ -79,9 +77,10 @@ def _check_requests(op: str, block_tables: Tensor, seq_lens: Tensor, query_start
 def check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk: int,
                                  softmax_scale: float) -> None:
     """q [T, H, D]; weights [T, H] (fp32 or q's dtype); k_cache [NB, bs, 1, D] in q's dtype;
-    the request tensors of `_check_requests`; topk >= 1; softmax_scale finite positive."""
+    the request tensors of `_check_requests`; topk >= 1; softmax_scale a positive normal float32
+    number (`check_softmax_scale`)."""
     op = INDEXER
-    _check_scale(op, softmax_scale)
+    check_softmax_scale(op, softmax_scale)
     torch._check(topk >= 1, lambda: f"mla.{op}: topk must be >= 1 (the number of positions kept per query "
                  f"token), got {topk}")
     check_float(op, "q", q)
@@ -107,9 +106,9 @@ def check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, qu
 def check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                     topk_indices, softmax_scale: float) -> None:
     """q_latent [T, N, L], q_pe [T, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache [NB, bs, 1, R]
-    (k_pe); the request tensors; topk_indices [T, K] int32/int64; softmax_scale finite positive."""
+    (k_pe); the request tensors; topk_indices [T, K] int32/int64; softmax_scale as for the indexer."""
     op = SPARSE
-    _check_scale(op, softmax_scale)
+    check_softmax_scale(op, softmax_scale)
     check_latent_query_and_caches(op, "tokens", q_latent, q_pe, key_cache, value_cache)
     _check_requests(op, block_tables, seq_lens, query_start_loc)
     check_index(op, "topk_indices", topk_indices)
@@ -120,6 +119,19 @@ def check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, bloc
                            "topk_indices": topk_indices})
 
 
+def check_query_starts(op: str, starts: list[int], num_tokens: int) -> None:
+    """query_start_loc (as a list) runs from 0 to `num_tokens` without decreasing."""
+    if starts[0] != 0:
+        raise ValueError(f"mla.{op}: query_start_loc must start at 0, got query_start_loc[0] = {starts[0]}")
+    for b in range(len(starts) - 1):
+        if starts[b + 1] < starts[b]:
+            raise ValueError(f"mla.{op}: query_start_loc must never decrease, but query_start_loc[{b + 1}] = "
+                             f"{starts[b + 1]} < query_start_loc[{b}] = {starts[b]}")
+    if starts[-1] != num_tokens:
+        raise ValueError(f"mla.{op}: query_start_loc[-1] = {starts[-1]} must equal the number of query tokens "
+                         f"({num_tokens})")
+
+
 def check_request_values(op: str, num_tokens: int, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                          num_blocks: int, block_size: int) -> list[tuple[int, int, int]]:
     """query_start_loc runs from 0 to T without decreasing; 0 <= q_b <= seq_lens[b] <= table capacity;
@@ -127,15 +139,7 @@ def check_request_values(op: str, num_tokens: int, block_tables: Tensor, seq_len
 
     Python integers throughout: no sum or product of int64 values can wrap around."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    if starts[0] != 0:
-        raise ValueError(f"mla.{op}: query_start_loc must start at 0, got query_start_loc[0] = {starts[0]}")
-    for b in range(len(lens)):
-        if starts[b + 1] < starts[b]:
-            raise ValueError(f"mla.{op}: query_start_loc must never decrease, but query_start_loc[{b + 1}] = "
-                             f"{starts[b + 1]} < query_start_loc[{b}] = {starts[b]}")
-    if starts[-1] != num_tokens:
-        raise ValueError(f"mla.{op}: query_start_loc[-1] = {starts[-1]} must equal the number of query tokens "
-                         f"({num_tokens})")
+    check_query_starts(op, starts, num_tokens)
     capacity = block_tables.shape[1] * block_size
     requests = []
     for b, n in enumerate(lens):
@@ -203,9 +207,13 @@ def _slots(block_tables: Tensor, request: Tensor, positions: Tensor, num_blocks:
     """(block [..], offset [..], valid [..]) of request-local `positions` of rows `request` (broadcast).
 
     Positions outside the table or with a block id outside the pool are invalid and addressed at block
-    0 (clamped), so nothing is read out of bounds whatever the values."""
+    0 (clamped), so nothing is read out of bounds whatever the values; a table without columns has no
+    valid position (it is read through one column of -1 instead)."""
+    width = block_tables.shape[1]
+    if width == 0:
+        block_tables = block_tables.new_full((block_tables.shape[0], 1), -1)
     columns = torch.div(positions, block_size, rounding_mode="floor")
-    in_table = (positions >= 0) & (columns < block_tables.shape[1])
+    in_table = (positions >= 0) & (columns < width)
     ids = block_tables.long()[request, columns.clamp(0, block_tables.shape[1] - 1)]
     valid = in_table & (ids >= 0) & (ids < num_blocks)
     return torch.where(valid, ids, 0), torch.where(valid, torch.remainder(positions, block_size), 0), valid
@@ -213,11 +221,20 @@ def _slots(block_tables: Tensor, request: Tensor, positions: Tensor, num_blocks:
 
 def lightning_indexer_reference(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                                 query_start_loc: Tensor, topk: int, softmax_scale: float) -> Tensor:
-    """-> int32 [T, topk]. Sync-free apart from the CPU value checks: every token scores the whole
-    block-table width (a static shape), positions past its own are masked, query tokens in chunks."""
-    num_tokens, num_blocks, block_size = q.shape[0], k_cache.shape[0], k_cache.shape[1]
+    """-> int32 [T, topk]. The CPU value checks, then `lightning_indexer_sync_free`."""
     if k_cache.device.type == "cpu":
-        check_request_values(INDEXER, num_tokens, block_tables, seq_lens, query_start_loc, num_blocks, block_size)
+        check_request_values(INDEXER, q.shape[0], block_tables, seq_lens, query_start_loc, k_cache.shape[0],
+                             k_cache.shape[1])
+    return lightning_indexer_sync_free(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk,
+                                       softmax_scale)
+
+
+def lightning_indexer_sync_free(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                                query_start_loc: Tensor, topk: int, softmax_scale: float) -> Tensor:
+    """The reference indexer's device path, no host sync and no value check: every token scores the
+    whole block-table width (a static shape), positions past its own or outside the table and pool
+    are masked (never read out of bounds, whatever the values), query tokens in chunks."""
+    num_tokens, num_blocks, block_size = q.shape[0], k_cache.shape[0], k_cache.shape[1]
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     width = block_tables.shape[1] * block_size
     if num_tokens == 0 or width == 0:
@@ -246,14 +263,22 @@ def lightning_indexer_reference(q: Tensor, weights: Tensor, k_cache: Tensor, blo
 def sparse_mla_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                                    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                                    topk_indices: Tensor, softmax_scale: float) -> Tensor:
-    """-> o_latent [T, N, L] in q_latent's dtype. Sync-free apart from the CPU value checks: on other
-    devices an index that is not a cached position of its request (or whose block id is outside the
-    pool) attends to nothing, like -1."""
-    num_tokens, num_blocks, block_size = q_latent.shape[0], key_cache.shape[0], key_cache.shape[1]
+    """-> o_latent [T, N, L] in q_latent's dtype. The CPU value checks, then `sparse_mla_attention_sync_free`."""
     if key_cache.device.type == "cpu":
-        requests = check_request_values(SPARSE, num_tokens, block_tables, seq_lens, query_start_loc, num_blocks,
-                                        block_size)
+        requests = check_request_values(SPARSE, q_latent.shape[0], block_tables, seq_lens, query_start_loc,
+                                        key_cache.shape[0], key_cache.shape[1])
         check_index_values(topk_indices, requests)
+    return sparse_mla_attention_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
+                                          query_start_loc, topk_indices, softmax_scale)
+
+
+def sparse_mla_attention_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
+                                   block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+                                   topk_indices: Tensor, softmax_scale: float) -> Tensor:
+    """The reference sparse attention's device path, no host sync and no value check: an index that is
+    not a cached position of its request (or whose block id is outside the pool, or a table without
+    columns) attends to nothing, like -1; nothing is read out of bounds whatever the values."""
+    num_tokens, num_blocks, block_size = q_latent.shape[0], key_cache.shape[0], key_cache.shape[1]
     out = q_latent.new_zeros(q_latent.shape)
     width = topk_indices.shape[1]
     if num_tokens == 0 or width == 0:
@@ -309,11 +334,13 @@ def lightning_indexer(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables:
         k_cache: `[num_blocks, block_size, 1, D]` indexer keys (written with `mla.scatter_pa_cache`).
         block_tables: `[B, max_blocks]`; seq_lens: `[B]` cached tokens per request including its
             query tokens; query_start_loc: `[B+1]` cumulative query tokens per request.
-        topk: positions kept per query token; softmax_scale: the scale inside the ReLU (`D**-0.5`).
+        topk: positions kept per query token; softmax_scale: the scale inside the ReLU (`D**-0.5`), a
+            positive normal float32 number.
         validate: check the index values on non-CPU devices (CPU always checks).
     Returns:
-        int32 `[T, topk]`: request-local positions, best first (equal scores: lower position first),
-        -1 past the `p + 1` positions a token at position p can see.
+        int32 `[T, topk]`: request-local positions, best first (equal scores: lower position first,
+        on every backend; `torch.topk` has no such rule), -1 past the `p + 1` positions a token at
+        position p can see.
     """
     if validates_on_host(validate, k_cache):
         check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk,
@@ -336,7 +363,7 @@ def sparse_mla_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
         block_tables, seq_lens, query_start_loc: the request layout (see `lightning_indexer`).
         topk_indices: `[T, K]` int32/int64 request-local positions (`lightning_indexer`'s output), -1 = none;
             a position listed twice is attended twice.
-        softmax_scale: the attention scale.
+        softmax_scale: the attention scale, a positive normal float32 number.
         validate: check the index values on non-CPU devices (CPU always checks).
     Returns:
         `o_latent [T, N, L]` (zeros for a token with no position listed), to be multiplied by W_UV.
@@ -351,12 +378,69 @@ def sparse_mla_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
                                                       query_start_loc, topk_indices, softmax_scale)
 
 
-def to_global_slots(topk_indices: Tensor, block_tables: Tensor, query_start_loc: Tensor, block_size: int) -> Tensor:
-    """Request-local positions `[T, K]` -> global cache slots `block_tables[b, i // bs] * bs + i % bs`
-    (int32, -1 kept for none and for a position past its request's table): the index convention of
-    FlashMLA's sparse decode and vLLM's sparse MLA backends (`triton_convert_req_index_to_global_index`
-    in vllm/v1/attention/backends/mla/sparse_utils.py). No host sync."""
+TO_GLOBAL_SLOTS = "to_global_slots"
+INT32_MAX = 2**31 - 1
+
+
+def _check_global_slot_args(topk_indices: Tensor, block_tables: Tensor, query_start_loc: Tensor,
+                            block_size: int) -> None:
+    """topk_indices [T, K], block_tables [B, max_blocks], query_start_loc [B+1], all int32/int64, one
+    device; block_size a positive int. Metadata only (sync-free)."""
+    op = TO_GLOBAL_SLOTS
+    torch._check(isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= 1,
+                 lambda: f"mla.{op}: block_size must be a positive int (tokens per cache block), got {block_size!r}")
+    check_index(op, "topk_indices", topk_indices)
+    check_rank(op, "topk_indices", topk_indices, 2, "[tokens, topk] (request-local positions, -1 = none)")
+    check_index(op, "block_tables", block_tables)
+    check_rank(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]")
+    check_index(op, "query_start_loc", query_start_loc)
+    check_rank(op, "query_start_loc", query_start_loc, 1, "[batch + 1] (cumulative query tokens per request)")
+    check_size(op, "query_start_loc", query_start_loc.shape[0], block_tables.shape[0] + 1,
+               "must have one entry per request plus one (cumulative counts starting at 0)")
+    check_same_device(op, {"topk_indices": topk_indices, "block_tables": block_tables,
+                           "query_start_loc": query_start_loc})
+
+
+def to_global_slots(topk_indices: Tensor, block_tables: Tensor, query_start_loc: Tensor, block_size: int, *,
+                    validate: bool = False) -> Tensor:
+    """Request-local positions -> global cache slots `block_tables[b, i // bs] * bs + i % bs`: the index
+    convention of FlashMLA's sparse decode and vLLM's sparse MLA backends
+    (`triton_convert_req_index_to_global_index` in vllm/v1/attention/backends/mla/sparse_utils.py).
+
+    Args:
+        topk_indices: `[T, K]` int32/int64 request-local positions (`lightning_indexer`'s output).
+        block_tables: `[B, max_blocks]` int32/int64; query_start_loc: `[B+1]` int32/int64 cumulative
+            query tokens per request (its last entry must be T).
+        block_size: tokens per cache block, >= 1.
+        validate: on non-CPU devices, run the value checks CPU calls always run (a host sync):
+            query_start_loc from 0 to T without decreasing, no slot past int32.
+    Returns:
+        int32 `[T, K]`: the slot of each entry, -1 for an entry that addresses no cached token (a
+        negative position, one past its request's table, or a block id < 0).
+    Raises:
+        RuntimeError naming the argument for a wrong dtype, rank, length or block_size; ValueError
+        naming the entry for a slot above 2**31 - 1, which int32 cannot hold, or
+        for query_start_loc values (CPU, or validate=True).
+        On other devices without validate such an entry is -1, never a wrapped-around slot.
+    No host sync on non-CPU devices unless validate=True."""
+    _check_global_slot_args(topk_indices, block_tables, query_start_loc, block_size)
+    host = topk_indices.device.type == "cpu" or validate
+    if host:
+        check_query_starts(TO_GLOBAL_SLOTS, query_start_loc.tolist(), topk_indices.shape[0])
     request = token_requests(query_start_loc, topk_indices.shape[0])
     indices = topk_indices.long()
-    block, offset, valid = _slots(block_tables, request[:, None], indices, 1 << 62, block_size)
-    return torch.where(valid & (indices >= 0), block * block_size + offset, -1).to(torch.int32)
+    # every block id >= 0 is a block: the pool size is unknown here
+    block, offset, valid = _slots(block_tables, request[:, None], indices, torch.iinfo(torch.int64).max, block_size)
+    # compared before multiplying: block * block_size could wrap around even in int64
+    fits = block <= torch.div(INT32_MAX - offset, block_size, rounding_mode="floor")
+    slots = torch.where(fits, block, 0) * block_size + offset
+    if host:
+        bad = valid & ~fits
+        if bool(bad.any()):
+            t, k = (int(v) for v in torch.nonzero(bad)[0])
+            slot = int(block[t, k]) * block_size + int(offset[t, k])  # a Python int: no wrap-around
+            raise ValueError(f"mla.{TO_GLOBAL_SLOTS}: topk_indices[{t}, {k}] = {int(indices[t, k])} addresses slot "
+                             f"{slot} (block {int(block[t, k])} of block_tables x block_size {block_size} + "
+                             f"{int(offset[t, k])}), which int32 cannot hold (at most {INT32_MAX}); use block ids "
+                             f"below {INT32_MAX // block_size + 1}")
+    return torch.where(valid & fits, slots, -1).to(torch.int32)

@@ -32,6 +32,7 @@ from ..ops.gather_pa_kv_cache import gather_sync_free
 from ..ops.scatter_pa_kv_cache import scatter_pa_cache_sync_free, scatter_sync_free
 from ..ops.sparse_attention import INDEXER as INDEXER_OP
 from ..ops.sparse_attention import SPARSE as SPARSE_OP
+from ..ops.sparse_attention import lightning_indexer_sync_free, sparse_mla_attention_sync_free
 from . import oracles
 from .inputs import LITE, PREFILL, SMALL, Dims, paged_case, prolog_inputs, prolog_kwargs, rope_tables, split_pool
 
@@ -46,11 +47,20 @@ class Sample:
     name: str
     args: tuple
     kwargs: Mapping = dataclasses.field(default_factory=dict)
+    # args -> args with the arguments that are views of another argument made again from it: a sample
+    # whose input is a view of the cache the op writes keeps that aliasing through clone() and to()
+    rebuild: Optional[Callable[[tuple], tuple]] = None
 
     def map(self, fn: Callable[[Tensor], Tensor]) -> "Sample":
         def apply(v):
             return fn(v) if isinstance(v, Tensor) else v
-        return Sample(self.name, tuple(apply(a) for a in self.args), {k: apply(v) for k, v in self.kwargs.items()})
+        args = tuple(apply(a) for a in self.args)
+        if self.rebuild:
+            rebuilt = self.rebuild(args)
+            # a view made again from its base keeps the flag fn gave the mapped tensor
+            args = tuple(r.requires_grad_(True) if isinstance(a, Tensor) and a.requires_grad and not r.requires_grad
+                         else r for a, r in zip(args, rebuilt))
+        return Sample(self.name, args, {k: apply(v) for k, v in self.kwargs.items()}, self.rebuild)
 
     def to(self, device) -> "Sample":
         return self.map(lambda t: t.to(device))
@@ -95,6 +105,10 @@ class OpCases:
     # backends whose kernel promises each output row's entries, not their order (a vendor kernel
     # documented to return the top-k set): compared after sorting every row
     unordered_backends: tuple[str, ...] = ()
+    # calls whose index values the host checks refuse (CPU kernels raise ValueError): what the unchecked
+    # `paths` (the sync-free device path: no host sync, nothing validated) must still answer, the oracle's
+    # result with every entry that addresses nothing taken as none, never reading out of bounds
+    unchecked_samples: Callable[[torch.dtype], list[Sample]] = lambda dtype: []
 
     def comparable(self, backend: str, outputs) -> tuple[Tensor, ...]:
         """`outputs` as `backend`'s contract is checked: each row sorted for an unordered backend."""
@@ -569,7 +583,41 @@ def _scatter_samples(dtype):
         Sample("no-tokens", (key[:0], value[:0], kc, vc, slots[:0].int())),
         Sample("v2lite", (_randn(5, 1, LITE.L, dtype=dtype, seed=3), _randn(5, 1, LITE.R, dtype=dtype, seed=4),
                           lite_kc, lite_vc, lite_slots)),
+        *_scatter_aliased_samples(dtype),
     ]
+
+
+def _aliased_pool(dtype, width: int, start: float = 0.0) -> Tensor:
+    """[4 blocks, 4, 1, width] holding start, start + 1, ... (rows of 16 values: 32 bytes or more in every
+    activation dtype, the PyPTO kernels' tile granule)."""
+    return (torch.arange(16 * width, dtype=torch.float32) + start).to(dtype).view(4, 4, 1, width)
+
+
+# (name, rows of the pool the input rows are, slots written): the first reads rows 1..3 and writes slots
+# 2..4, so two of the rows it reads are rows it writes; the second reads rows 5..6 and writes 12 and 11
+ALIASED_ROWS = (("rows-of-the-cache-overlapping-written-slots", slice(1, 4), [2, 3, 4]),
+                ("rows-of-the-cache-apart-from-written-slots", slice(5, 7), [12, 11]))
+
+
+def _scatter_aliased_samples(dtype):
+    """key and value are views of the pools the call writes: every row is read as it was before the call."""
+    samples = []
+    for name, rows, slots in ALIASED_ROWS:
+        def rebuild(args, rows=rows):
+            key_cache, value_cache = args[2], args[3]
+            return (key_cache.view(16, 1, -1)[rows], value_cache.view(16, 1, -1)[rows], *args[2:])
+        args = (None, None, _aliased_pool(dtype, 16), _aliased_pool(dtype, 16, start=256.0), torch.tensor(slots))
+        samples.append(Sample(name, rebuild(args), rebuild=rebuild))
+    return samples
+
+
+def _scatter_one_pool_aliased_samples(dtype):
+    samples = []
+    for name, rows, slots in ALIASED_ROWS:
+        def rebuild(args, rows=rows):
+            return (args[1].view(16, 1, -1)[rows], *args[1:])
+        samples.append(Sample(name, rebuild((None, _aliased_pool(dtype, 16), torch.tensor(slots))), rebuild=rebuild))
+    return samples
 
 
 def _scatter_errors():
@@ -601,6 +649,18 @@ def _scatter_errors():
 
 _register(OpCases("scatter_pa_kv_cache", _scatter_samples, oracles.scatter_pa_kv_cache_oracle, _scatter_errors,
                   bounds=EXACT, paths={"sync-free": scatter_sync_free}, selftest=("padding", "v2lite")))
+
+
+def _scale_errors(op: str, call):
+    """Scales finite as a double that the kernels' float32 cannot hold: inf (1e39), zero (1e-46), a
+    subnormal (1e-40: fewer significant bits, zero under FTZ/DAZ), negative."""
+    bounds = r"within \[1.1754943508222875e-38, 3.4028234663852886e\+38\] \(the kernels scale in float32\)"
+    return [ErrorInput(f"scale-{name}", call(softmax_scale=value), "softmax_scale",
+                       rf"{op}: softmax_scale must be a positive normal float32 number.*{bounds}, got {pattern}")
+            for name, value, pattern in (("1e39-inf-in-float32", 1e39, r"1e\+39"),
+                                         ("1e-46-zero-in-float32", 1e-46, "1e-46"),
+                                         ("subnormal-in-float32", 1e-40, "1e-40"),
+                                         ("negative", -0.5, r"-0\.5"))]
 
 
 def _decode_sample(name, d: Dims, dtype, block_size: int, lens, *, num_blocks=None, view=False, int64=False,
@@ -650,9 +710,10 @@ def _decode_errors():
                    rf"{op}: seq_lens length must equal the batch"),
         ErrorInput("q_pe-dtype", call(q_pe=torch.randn(2, 3, 4).double()), "q_pe", rf"{op}: q_pe has dtype"),
         ErrorInput("scale-nan", call(softmax_scale=float("nan")), "softmax_scale",
-                   rf"{op}: softmax_scale must be a finite positive"),
+                   rf"{op}: softmax_scale must be a positive normal float32 number"),
         ErrorInput("scale-zero", call(softmax_scale=0.0), "softmax_scale",
-                   rf"{op}: softmax_scale must be a finite positive"),
+                   rf"{op}: softmax_scale must be a positive normal float32 number"),
+        *_scale_errors(op, call),
         ErrorInput("empty-pool", call(key_cache=torch.randn(0, 4, 1, 8), value_cache=torch.randn(0, 4, 1, 4)),
                    "key_cache", rf"{op}: key_cache needs at least one block"),
         ErrorInput("zero-length", call(seq_lens=torch.tensor([5, 0])), "seq_lens",
@@ -697,11 +758,11 @@ def _grid(*shape, dtype, seed, low=-2, high=2) -> Tensor:
 
 
 def _indexer_sample(name, dtype, seq_lens, q_lens, *, heads=4, dim=16, block_size=4, topk=5, weights_dtype=None,
-                    view=False, int64=False, zero_q=False, seed=0) -> Sample:
+                    view=False, int64=False, zero_q=False, q_high=2, seed=0) -> Sample:
     tables, lens, starts, num_blocks = _requests(seq_lens, q_lens, block_size, seed=seed)
     tokens = int(starts[-1])
     k_cache = _grid(num_blocks, block_size, 1, 2 * dim if view else dim, dtype=dtype, seed=seed + 1)[..., :dim]
-    q = _grid(tokens, heads, dim, dtype=dtype, seed=seed + 2) * (0 if zero_q else 1)
+    q = _grid(tokens, heads, dim, dtype=dtype, seed=seed + 2, high=q_high) * (0 if zero_q else 1)
     weights = _grid(tokens, heads, dtype=weights_dtype or torch.float32, seed=seed + 3)
     if int64:
         tables, lens, starts = tables.long(), lens.long(), starts.long()
@@ -716,12 +777,37 @@ def _indexer_samples(dtype):
         _indexer_sample("weights-in-activation-dtype", dtype, *mixed, weights_dtype=dtype, seed=4),
         _indexer_sample("strided-key-pool-int64", dtype, *mixed, view=True, int64=True, seed=8),
         _indexer_sample("all-ties-lowest-positions-first", dtype, [9, 6], [2, 6], zero_q=True),
+        # 4 heads, queries mostly below 0: many scores exactly 0 after the ReLU, tied across the k-th place
+        _indexer_sample("relu-zero-ties-across-the-kth-place", dtype, *mixed, q_high=0, seed=20),
         _indexer_sample("block-size-1-idle-request", dtype, [5, 3, 4], [5, 0, 1], block_size=1, seed=12),
         _indexer_sample("no-tokens", dtype, [3, 0], [0, 0]),
         # DeepSeek-V3.2's indexer (64 heads x 128, top-2048) past the top-k: the choice matters
         _indexer_sample("v32-dims", dtype, [2100, 40], [1, 3], heads=64, dim=128, block_size=64, topk=2048,
                         seed=16),
     ]
+
+
+def _zero_column_requests():
+    """One request with one query token and no cached token, through a block table without columns:
+    values the host checks refuse (seq_lens[0] < its query tokens); the device paths read nothing."""
+    return dict(block_tables=torch.zeros(1, 0, dtype=torch.int32), seq_lens=torch.zeros(1, dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 1], dtype=torch.int32))
+
+
+def _indexer_unchecked_samples(dtype):
+    requests = _zero_column_requests()
+    return [Sample("zero-column-table", (_grid(1, 4, 16, dtype=dtype, seed=1), _grid(1, 4, dtype=torch.float32, seed=2),
+                                         _grid(2, 4, 1, 16, dtype=dtype, seed=3), *requests.values(), 3, 0.25))]
+
+
+def _sparse_unchecked_samples(dtype):
+    d = SMALL
+    requests = _zero_column_requests()
+    kc, vc, *_ = paged_case(2, 4, [1], key_shape=(1, d.L), value_shape=(1, d.R), dtype=dtype, seed=1)
+    q_latent, q_pe = _randn(1, d.N, d.L, dtype=dtype, seed=2), _randn(1, d.N, d.R, dtype=dtype, seed=3)
+    return [Sample(f"zero-column-table-{name}", (q_latent, q_pe, kc, vc, *requests.values(),
+                                                  torch.tensor([listed], dtype=torch.int32), (d.P + d.R) ** -0.5))
+            for name, listed in (("none-listed", [-1]), ("positions-listed", [0, 3, -1]))]
 
 
 def _request_errors(op: str, call):
@@ -784,7 +870,8 @@ def _indexer_errors():
                    rf"{op}: k_cache has dtype torch.float16 but q"),
         ErrorInput("topk-zero", call(topk=0), "topk", rf"{op}: topk must be >= 1"),
         ErrorInput("scale-nan", call(softmax_scale=float("nan")), "softmax_scale",
-                   rf"{op}: softmax_scale must be a finite positive"),
+                   rf"{op}: softmax_scale must be a positive normal float32 number"),
+        *_scale_errors(op, call),
         *_request_errors(op, call),
     ]
 
@@ -857,7 +944,9 @@ def _sparse_errors():
                    rf"{op}: topk_indices must be an int32"),
         ErrorInput("indices-rows", call(topk_indices=torch.zeros(2, 3, dtype=torch.int32)), "topk_indices",
                    rf"{op}: topk_indices tokens .* must equal q_latent's"),
-        ErrorInput("scale-zero", call(softmax_scale=0.0), "softmax_scale", rf"{op}: softmax_scale must be a finite"),
+        ErrorInput("scale-zero", call(softmax_scale=0.0), "softmax_scale",
+                   rf"{op}: softmax_scale must be a positive normal float32 number"),
+        *_scale_errors(op, call),
         *_request_errors(op, call),
         ErrorInput("index-past-length", call(topk_indices=torch.tensor([[0, 9, -1], [0, -1, -1], [1, 0, -1]])),
                    "topk_indices", r"topk_indices\[0, 1\] = 9 is not a position of request 0 \(its 9 cached tokens\)",
@@ -872,7 +961,9 @@ def _sparse_errors():
 
 
 def _scatter_one_pool_samples(dtype):
-    return [dataclasses.replace(s, args=(s.args[0], s.args[2], s.args[4])) for s in _scatter_samples(dtype)]
+    pair = [s for s in _scatter_samples(dtype) if s.rebuild is None]
+    return ([dataclasses.replace(s, args=(s.args[0], s.args[2], s.args[4])) for s in pair]
+            + _scatter_one_pool_aliased_samples(dtype))
 
 
 def _scatter_one_pool_errors():
@@ -900,11 +991,13 @@ def _scatter_one_pool_errors():
 
 _register(OpCases("lightning_indexer", _indexer_samples, oracles.lightning_indexer_oracle, _indexer_errors,
                   bounds=EXACT, selftest=("prefill-decode-chunk", "v32-dims"),
+                  paths={"sync-free": lightning_indexer_sync_free}, unchecked_samples=_indexer_unchecked_samples,
                   # torch_npu's npu_lightning_indexer documents the top-k set, not its order
                   unordered_backends=("npu",)))
 _register(OpCases("sparse_mla_attention", _sparse_samples, oracles.sparse_mla_attention_oracle, _sparse_errors,
                   # as mla_decode_attention: fp32 scores and softmax, P rounded to the activation dtype
-                  bounds=_eps_bounds(64, 2, 2), selftest=("prefill-decode-chunk", "v32-dims-top-2048")))
+                  bounds=_eps_bounds(64, 2, 2), selftest=("prefill-decode-chunk", "v32-dims-top-2048"),
+                  paths={"sync-free": sparse_mla_attention_sync_free}, unchecked_samples=_sparse_unchecked_samples))
 _register(OpCases("scatter_pa_cache", _scatter_one_pool_samples, oracles.scatter_pa_cache_oracle,
                   _scatter_one_pool_errors, bounds=EXACT, paths={"sync-free": scatter_pa_cache_sync_free},
                   selftest=("padding", "v2lite")))

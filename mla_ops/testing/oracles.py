@@ -188,9 +188,11 @@ def scatter_pa_cache_oracle(key, cache, slot_mapping):
 def lightning_indexer_oracle(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale):
     """-> (int32 [T, topk],): per query token at position p, the positions 0..p sorted by descending
     score_j = sum_h w_h * relu(scale * q_h . k_j) (fp64), equal scores by ascending position; the first
-    topk of them, -1 past the p + 1 there are."""
+    topk of them, -1 past the p + 1 there are (every entry -1 for p < 0)."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
     for t, (b, p, _) in enumerate(_request_tokens(seq_lens, query_start_loc)):
+        if p < 0:  # values that leave the token no cached position (only the unchecked device paths take them)
+            continue
         keys = torch.stack([_cached_row(k_cache, block_tables, b, j) for j in range(p + 1)])
         scores = torch.relu(softmax_scale * (_f64(q[t]) @ keys.t())).t() @ _f64(weights[t])  # [p + 1]
         ranked = sorted(range(p + 1), key=lambda j: (-float(scores[j]), j))[:topk]
@@ -201,10 +203,12 @@ def lightning_indexer_oracle(q, weights, k_cache, block_tables, seq_lens, query_
 def sparse_mla_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                 topk_indices, softmax_scale):
     """-> (o_latent [T, N, L],): per query token, softmax(scale * (q_latent latent^T + q_pe k_pe^T)) latent
-    over the positions it lists (a position listed twice counts twice; -1 skipped), zeros when it lists none."""
+    over the positions it lists (a position listed twice counts twice; -1 skipped), zeros when it lists none.
+    An entry that is no cached position of its request (values only the unchecked device paths take) is
+    skipped like -1."""
     out = torch.zeros(q_latent.shape, dtype=torch.float64)
-    for t, (b, _, _) in enumerate(_request_tokens(seq_lens, query_start_loc)):
-        listed = [int(j) for j in topk_indices[t] if int(j) >= 0]
+    for t, (b, _, n) in enumerate(_request_tokens(seq_lens, query_start_loc)):
+        listed = [int(j) for j in topk_indices[t] if 0 <= int(j) < n]
         if not listed:
             continue
         latent = torch.stack([_cached_row(key_cache, block_tables, b, j) for j in listed])

@@ -145,12 +145,6 @@ void check_gather_args(std::string_view op, const at::Tensor& key_cache, const a
   }
 }
 
-// mla_ops/ops/sparse_attention.py: _check_scale
-void check_sparse_scale(std::string_view op, double softmax_scale) {
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, prefix(op),
-              "softmax_scale must be a finite positive number, got ", py_float(softmax_scale));
-}
-
 // mla_ops/ops/sparse_attention.py: _check_requests
 void check_requests(std::string_view op, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                     const at::Tensor& query_start_loc) {
@@ -173,8 +167,7 @@ void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double softmax_scale) {
   constexpr std::string_view op = "mla_decode_attention";
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, prefix(op),
-              "softmax_scale must be a finite positive number (e.g. qk_head_dim ** -0.5), got ", py_float(softmax_scale));
+  check_softmax_scale(op, softmax_scale, " (e.g. qk_head_dim ** -0.5)");
   check_float(op, "q_latent", q_latent);
   check_rank(op, "q_latent", q_latent, 3, "[batch, heads, kv_lora_rank] (q_nope absorbed with W_UK)");
   check_rank(op, "q_pe", q_pe, 3, "[batch, heads, rope_dim] (rotated)");
@@ -280,7 +273,7 @@ void check_lightning_indexer_args(const at::Tensor& q, const at::Tensor& weights
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   const at::Tensor& query_start_loc, int64_t topk, double softmax_scale) {
   constexpr std::string_view op = "lightning_indexer";
-  check_sparse_scale(op, softmax_scale);
+  check_softmax_scale(op, softmax_scale);
   TORCH_CHECK(topk >= 1, prefix(op), "topk must be >= 1 (the number of positions kept per query token), got ", topk);
   check_float(op, "q", q);
   check_rank(op, "q", q, 3, "[tokens, index_heads, index_head_dim] (rotated indexer queries)");
@@ -311,7 +304,7 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                      const at::Tensor& topk_indices, double softmax_scale) {
   constexpr std::string_view op = "sparse_mla_attention";
-  check_sparse_scale(op, softmax_scale);
+  check_softmax_scale(op, softmax_scale);
   check_float(op, "q_latent", q_latent);
   check_rank(op, "q_latent", q_latent, 3, "[tokens, heads, kv_lora_rank] (q_nope absorbed with W_UK)");
   check_rank(op, "q_pe", q_pe, 3, "[tokens, heads, rope_dim] (rotated)");

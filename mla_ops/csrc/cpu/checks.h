@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -165,6 +166,29 @@ inline void check_writable_layout(std::string_view op, std::string_view name, co
   TORCH_CHECK(!overlapping, prefix(op), name, " has overlapping memory (a stride-0 dim, e.g. from expand: shape ",
               py_shape(t), ", strides ", py_tuple(t.strides()),
               ") and cannot be written; pass a tensor that owns its elements (.contiguous() or .clone())");
+}
+
+// mla_ops/ops/_paged.py: overlaps_memory. Whether a and b live in one storage with intersecting byte
+// ranges from their first to their last element (interleaved strided views count as overlapping).
+inline bool overlaps_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+  const auto bytes = [](const at::Tensor& x) {  // [first, last + 1) bytes; strides are never negative
+    int64_t last = x.storage_offset();
+    for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+    const int64_t item = static_cast<int64_t>(x.itemsize());
+    return std::pair<int64_t, int64_t>{x.storage_offset() * item, (last + 1) * item};
+  };
+  const auto [a_first, a_end] = bytes(a);
+  const auto [b_first, b_end] = bytes(b);
+  return a_first < b_end && b_first < a_end;
+}
+
+// mla_ops/_checks.py: check_softmax_scale (the bounds of a normal float32 number)
+inline void check_softmax_scale(std::string_view op, double softmax_scale, std::string_view example = "") {
+  constexpr double lowest = std::numeric_limits<float>::min(), highest = std::numeric_limits<float>::max();
+  TORCH_CHECK(lowest <= softmax_scale && softmax_scale <= highest, prefix(op),
+              "softmax_scale must be a positive normal float32 number", example, ", within [", py_float(lowest), ", ",
+              py_float(highest), "] (the kernels scale in float32), got ", py_float(softmax_scale));
 }
 
 }  // namespace CPU_CAPABILITY

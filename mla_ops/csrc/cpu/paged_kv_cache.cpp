@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 namespace mla_native {
@@ -309,13 +310,24 @@ void scatter_rows(std::string_view op, const at::Tensor& key, const at::Tensor* 
 
 }  // namespace
 
+// Rows that are a view of memory a cache covers are read in full before anything is written (copied first),
+// so what a row holds never depends on which rows were written before it: the contract of every backend.
+at::Tensor read_before_writing(const at::Tensor& rows, std::initializer_list<const at::Tensor*> caches) {
+  for (const at::Tensor* cache : caches) {
+    if (overlaps_memory(rows, *cache)) return rows.clone();
+  }
+  return rows;
+}
+
 void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  scatter_rows("scatter_pa_kv_cache", key, &value, key_cache, &value_cache, slot_mapping);
+  const at::Tensor key_rows = read_before_writing(key, {&key_cache, &value_cache});
+  const at::Tensor value_rows = read_before_writing(value, {&key_cache, &value_cache});
+  scatter_rows("scatter_pa_kv_cache", key_rows, &value_rows, key_cache, &value_cache, slot_mapping);
 }
 
 void scatter_pa_cache(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping) {
-  scatter_rows("scatter_pa_cache", key, nullptr, cache, nullptr, slot_mapping);
+  scatter_rows("scatter_pa_cache", read_before_writing(key, {&cache}), nullptr, cache, nullptr, slot_mapping);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -1,23 +1,26 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each query's top-k keys through `mla.lightning_indexer`,
-for the dense and the paged mode.
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each query's top-k keys, for the dense and the paged mode.
 
-The indexer's own projections (wq_b, wk, k_norm, weights_proj) and its RoPE run as the stock indexer
-computes them, with its modules and the RoPE function its forward names (DeepSeek-V3.2: NeoX
-half-split, GLM-5: interleaved pairs). Scoring and selection, sum_h w_h * relu(scale * q_h.k) over the
-keys a query may see and the best `index_topk` of them, are one `mla.lightning_indexer` call, and the
-chosen keys are folded into the attention mask exactly as the stock forward folds its top-k
-(`restrict_mask`); the paged decode hands them to `mla.sparse_mla_attention` instead.
+Dense mode selects as stock does, with the layer's own indexer forward (`dense_selection`: its
+`torch.topk` choice among exactly equal scores has no rule that another kernel could reproduce), and
+folds the top-k into the attention mask as the stock forward folds it (`restrict_mask`).
+
+Paged mode: the indexer's own projections (wq_b, wk, k_norm, weights_proj) and its RoPE run as the
+stock indexer computes them, with its modules and the RoPE function its forward names (DeepSeek-V3.2:
+NeoX half-split, GLM-5: interleaved pairs). Scoring and selection, sum_h w_h * relu(scale * q_h.k)
+over the keys a query may see and the best `index_topk` of them, are one `mla.lightning_indexer` call
+over the paged indexer-key pool; a prefill folds the chosen keys into its mask, the decode hands them
+to `mla.sparse_mla_attention`.
 
 Requests. The op reads a request's keys through a block table and lets query i of a request with
 q_len queries and seq_len keys see positions 0..seq_len-q_len+i (right-down causal), so each batch
 row becomes two requests (`select_topk`): its padding queries, scored against anything and then
 dropped (the stock mask hides every key from them, so their top-k changes nothing), and its real
-queries, which see the row's real keys in order. The dense cache keeps padding keys in place: a
-block size of 1 over the row's indexer keys lists only the keys the mask shows (`dense_selection`),
-which also skips the unfilled tail of a static cache. The paged cache stores real tokens only.
+queries, which see the row's real keys in order. The paged cache stores real tokens only.
 
-Which top-k is picked where scores tie exactly differs (the op: the lower position; torch.topk:
-unspecified); a tie at the k-th place is the one case where the two could fold different keys.
+Ties: where scores tie exactly across the k-th place, the op keeps the lower positions (its contract)
+and stock's `torch.topk` keeps whichever its partial sort leaves in front, so paged mode can fold other
+keys than stock there (with few indexer heads many scores are exactly 0 after the ReLU); dense mode
+picks stock's.
 """
 from __future__ import annotations
 
@@ -80,14 +83,17 @@ def select_topk(indexer, q, weights, k_cache, block_tables, seq_lens, real):
 
 
 def restrict_mask(attention_mask, columns, real, dtype):
-    """The stock fold of a top-k into the attention mask: a real query's keys outside its top-k
-    `columns` [B, S, K] (key columns, -1: none) are masked (`& ~` a bool mask, `finfo(dtype).min` in
-    an additive one); a padding query's row is left as it is (the mask already hides every key there)."""
+    """The stock fold of a top-k into the attention mask: a query's keys outside its top-k `columns`
+    [B, S, K] (key columns, -1: none) are masked (`& ~` a bool mask, `finfo(dtype).min` in an additive
+    one). With `real` [B, S] (bool), a padding query's row is left as it is (the mask already hides
+    every key there); None folds every row, as stock does."""
     batch, seq = columns.shape[:2]
     keys = attention_mask.shape[-1]
     index = torch.where(columns < 0, keys, columns).long()  # -1 -> a spare column, cut off below
     dropped = columns.new_ones((batch, seq, keys + 1), dtype=torch.bool).scatter(-1, index, False)[..., :keys]
-    dropped = (dropped & real[..., None]).unsqueeze(1)  # [B, 1, S, T]; True = masked
+    if real is not None:
+        dropped = dropped & real[..., None]
+    dropped = dropped.unsqueeze(1)  # [B, 1, S, T]; True = masked
     if attention_mask.dtype == torch.bool:
         return attention_mask & ~dropped
     return attention_mask.masked_fill(dropped, torch.finfo(dtype).min)
@@ -101,54 +107,29 @@ def previous_topk(inputs):
 
 
 def dense_selection(attn, patch, hidden_states, q_resid, inputs):
-    """The dense mode's top-k: (the attention mask with it folded in as stock folds it, or the mask
-    unchanged and the top-k passed as `indices=` to other implementations; extra kwargs for the
-    attention function; the top-k key columns int32 [B, S, K] a "shared" next layer reuses).
+    """The dense mode's top-k, stock's exactly: (the attention mask with it folded in as stock folds it,
+    or the mask unchanged and the top-k passed as `indices=` to other implementations; extra kwargs for
+    the attention function; the int32 [B, S, min(index_topk, T)] top-k a "shared" next layer reuses).
 
-    The indexer key goes through the stock cache's `update_indexer` (as stock writes it); the op reads
-    the whole row back [B, T, D] as one block per key. Raises NotImplementedError on a mask the op's
-    requests cannot express (not causal over each row's keys: packed sequences, a custom mask), checked
-    outside a compiled graph."""
+    The layer's own indexer forward scores and selects (it writes its key through the stock cache's
+    `update_indexer`, scores [B, S, T] against the model's mask and keeps `torch.topk`'s choice). Which
+    of several exactly equal scores `torch.topk` keeps has no rule (ATen's CPU kernel runs
+    std::partial_sort / std::nth_element on the scores alone, its choice depending on the row's length
+    and contents), and with few indexer heads many scores are exactly 0 after the ReLU: only the same
+    computation on the same row picks the same keys, which dense mode promises. `mla.lightning_indexer`
+    and its tie rule serve the paged mode."""
     mask = inputs.attention_mask
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         raise ValueError("sparse attention needs the model's 4-D attention mask (the indexer scores against it)")
-    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [B, S, T]
-    real = allowed.any(-1)  # a padding query sees no key
     if attn.indexer is None:
         columns = previous_topk(inputs)
     else:
-        with torch.no_grad():  # (the stock indexer is no_grad too)
-            q, k, weights = indexer_query_key(attn.indexer, patch.family, hidden_states, q_resid,
-                                              inputs.position_embeddings)
-            if inputs.cache is not None:
-                k = inputs.cache.update_indexer(k, attn.layer_idx)
-            batch, keys = k.shape[:2]
-            visible = allowed.any(1)  # [B, T]: the row's keys (padding and a static cache's tail hidden)
-            # block size 1: row b's request-local position j is its j-th visible key
-            positions = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
-            if not torch.compiler.is_compiling():
-                _check_causal_over_keys(allowed, visible, real)
-            tables = positions + keys * torch.arange(batch, device=k.device)[:, None]
-            local = select_topk(attn.indexer, q, weights, k.reshape(batch * keys, 1, 1, -1), tables, visible.sum(1),
-                                real)
-            columns = torch.gather(positions, 1, local.clamp(min=0).view(batch, -1).long()).view(local.shape)
-            columns = torch.where(local < 0, -1, columns).to(torch.int32)
+        # the stock call: the indexer scores against the 3-D [B, S, T] mask
+        columns = attn.indexer(hidden_states, q_resid, inputs.position_embeddings, mask[:, 0], inputs.position_ids,
+                               cache=inputs.cache)
     if attn.config._attn_implementation in MASKED_IMPLEMENTATIONS:
-        return restrict_mask(mask, columns, real, hidden_states.dtype), {}, columns
+        return restrict_mask(mask, columns, None, hidden_states.dtype), {}, columns
     return mask, {"indices": columns}, columns
-
-
-def _check_causal_over_keys(allowed, visible, real) -> None:
-    """The mask must be what the op's requests mean: each real query sees the row's visible keys up to
-    its own (the real queries being the row's last keys), a padding query none."""
-    rank = torch.cumsum(visible.long(), 1) - 1  # [B, T]: order among the row's keys
-    n_vis, n_real = visible.sum(1, keepdim=True), real.sum(1, keepdim=True)
-    position = n_vis - n_real + torch.cumsum(real.long(), 1) - 1  # [B, S]: each real query's own key
-    implied = real[:, :, None] & visible[:, None, :] & (rank[:, None, :] <= position[:, :, None])
-    if not torch.equal(implied, allowed):
-        raise NotImplementedError(
-            "sparse attention: the attention mask is not causal over each row's keys (left padding and a cache "
-            "are; packed sequences or a custom mask are not), which mla.lightning_indexer's requests cannot express")
 
 
 def paged_selection(attn, patch, hidden_states, q_resid, inputs, layer, plan):

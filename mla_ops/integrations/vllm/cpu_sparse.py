@@ -13,7 +13,11 @@ Here:
   layer's indexer (:func:`adopt_indexer`: the instance becomes a :class:`MlaOpsIndexer`) whose forward keeps
   vLLM's projections, key LayerNorm and RoPE, skips the quantisation, writes the new keys with
   `mla.scatter_pa_cache` and scores with `mla.lightning_indexer`, writing the buffer in the op's convention:
-  request-local positions, -1 past the token's own position, best first.
+  request-local positions, -1 past the token's own position, best first. Its tie rule is the op's: among
+  exactly equal scores the lower positions are kept. transformers' indexer (`torch.topk`) and vLLM's own
+  top-k kernels keep whichever tied positions their sort leaves in front, so where equal scores straddle
+  the k-th place (few indexer heads: many scores exactly 0 after the ReLU) the picked keys, and then the
+  tokens, can differ from theirs.
 * Indexer cache: `[num_blocks, block_size, 1, index_head_dim]` in the model dtype (bf16: 256 B/token for
   D = 128), what `mla.lightning_indexer` reads, instead of vLLM's fp8 layout (128 fp8 values + one fp32 scale,
   132 B/token). The fp8 layout halves that memory, but no mla op reads it and its quantisation changes which
