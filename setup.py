@@ -1,16 +1,43 @@
-"""mla-ops: multi-head latent attention (MLA) kernels as torch.ops.mla operators.
+"""mla-ops: multi-head latent attention (MLA) operators for PyTorch, `torch.ops.mla`.
 
-Native CPU kernels (mla_ops/csrc/cpu) are built once per ISA as extension modules
+The native CPU kernels (mla_ops/csrc/cpu) are built once per ISA as extension modules
 `mla_ops._C_avx512`, `mla_ops._C_avx2` (x86-64) and `mla_ops._C_default` (every platform; NEON on
-aarch64); `mla_ops.backends.cpu_native` picks the best one the CPU supports at run time. They are optional:
-without a C++ compiler (or with MLA_OPS_NO_NATIVE=1) the package installs without them and
-`mla-ops info` / `mla_ops.explain(...)` say why.
+aarch64); `mla_ops.backends.cpu_native` picks the best one the CPU supports at run time. They are
+compiled against the torch of the environment that runs the build, so that torch must be importable
+here: `pip install --no-build-isolation .` (pip's default build isolation hides it). A build that cannot
+import torch, finds a torch outside `TORCH_REQUIREMENT`, or fails to compile, stops with the reason and
+the fix. MLA_OPS_NO_NATIVE=1 installs the package without them (the reference kernels serve the CPU).
 """
 import os
 import platform
+import re
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import SetupError
+
+NO_NATIVE_ENV = "MLA_OPS_NO_NATIVE"
+# The torch release the C++ is built and tested against: the kernels use ATen internals (at::vec,
+# at::parallel_for, dispatcher registration) whose ABI changes between releases, so an extension
+# built for one release does not load in another.
+TORCH_MAJOR_MINOR = (2, 13)
+_MAJOR, _MINOR = TORCH_MAJOR_MINOR
+TORCH_REQUIREMENT = f"torch>={_MAJOR}.{_MINOR},<{_MAJOR}.{_MINOR + 1}"
+NATIVE_FIX = (f"rerun with `pip install --no-build-isolation .` (`pip install --no-build-isolation -e .` for a "
+              f"development install) in an environment that has {TORCH_REQUIREMENT} installed, or set "
+              f"{NO_NATIVE_ENV}=1 for a pure-Python install (reference kernels only)")
+
+
+def _read_version() -> str:
+    """`__version__` of mla_ops/_version.py, read as text (importing the package needs torch)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_ops", "_version.py")
+    with open(path, encoding="utf-8") as file:
+        match = re.search(r'^__version__ = "([^"]+)"$', file.read(), re.MULTILINE)
+    if match is None:
+        raise SetupError(f"{path}: no `__version__ = \"...\"` line")
+    return match.group(1)
+
 
 _CSRC = "mla_ops/csrc/cpu"
 _SOURCES = [f"{_CSRC}/{name}.cpp"
@@ -32,27 +59,57 @@ _ISA_FLAGS = {
 }
 
 
-def _native_extensions():
-    """(ext_modules, cmdclass) for the native kernels, or ([], {}) where they cannot be built."""
-    if os.environ.get("MLA_OPS_NO_NATIVE", "0") not in ("", "0"):
-        return [], {}
-    try:
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except Exception as exc:  # torch missing at build time (e.g. build isolation): pure-Python install
-        print(f"mla-ops: native CPU kernels not built ({exc})", file=sys.stderr)
-        return [], {}
+def _native_opted_out() -> bool:
+    return os.environ.get(NO_NATIVE_ENV, "0") not in ("", "0")
 
+
+def _isas() -> tuple:
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    isas = ("avx512", "avx2", "default") if x86 else ("default",)
+    return ("avx512", "avx2", "default") if x86 else ("default",)
+
+
+def _refusing_build_ext(reason: str) -> type:
+    """A build_ext that stops the build with `reason` (the extensions cannot be built here)."""
+
+    class RefusingBuildExt(build_ext):
+        def run(self):
+            raise SetupError(reason)
+
+    return RefusingBuildExt
+
+
+def _native_extensions() -> tuple:
+    """(ext_modules, cmdclass) building the native kernels; without torch, a build_ext that stops
+    with the reason (metadata and sdists need no torch, wheels and installs do)."""
+    if _native_opted_out():
+        print(f"mla-ops: {NO_NATIVE_ENV} is set: installing without the native CPU kernels (reference kernels "
+              f"only)", file=sys.stderr)
+        return [], {}
+    placeholders = [Extension(f"mla_ops._C_{isa}", _SOURCES) for isa in _isas()]
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception as exc:  # pip's default build isolation: a fresh environment without torch
+        reason = (f"mla-ops builds its native CPU kernels against the torch installed in your environment, "
+                  f"but this build cannot import torch ({type(exc).__name__}: {exc}); pip builds in an "
+                  f"isolated environment unless told not to. Fix: {NATIVE_FIX}.")
+        return placeholders, {"build_ext": _refusing_build_ext(reason)}
+    found = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+    if found != TORCH_MAJOR_MINOR:
+        reason = (f"mla-ops's native CPU kernels are built and tested against {TORCH_REQUIREMENT} (they use ATen "
+                  f"internals that change between torch releases); this environment has torch {torch.__version__}. "
+                  f"Fix: install {TORCH_REQUIREMENT} first, then {NATIVE_FIX}.")
+        return placeholders, {"build_ext": _refusing_build_ext(reason)}
+
     extensions = [
         CppExtension(f"mla_ops._C_{isa}", _SOURCES, extra_compile_args=_COMMON_FLAGS + _OPENMP_FLAGS + _ISA_FLAGS[isa],
                      extra_link_args=_OPENMP_FLAGS)
-        for isa in isas
+        for isa in _isas()
     ]
 
-    class OptionalBuildExtension(BuildExtension):
-        """Builds each ISA in its own temp folder (the three share source names) and turns a failed
-        build (no compiler, old compiler) into a warning: the package still installs."""
+    class NativeBuildExtension(BuildExtension):
+        """Builds each ISA in its own temp folder (the three share source names); a failed build (no
+        compiler, an old compiler, no OpenMP) stops the install with the fix."""
 
         def build_extension(self, ext):
             build_temp = self.build_temp
@@ -60,36 +117,38 @@ def _native_extensions():
             try:
                 super().build_extension(ext)
             except Exception as exc:
-                print(f"mla-ops: WARNING: native extension {ext.name} not built: {exc}", file=sys.stderr)
+                raise SetupError(
+                    f"mla-ops: building the native CPU kernels ({ext.name}) failed: {exc}. They need a C++17 "
+                    f"compiler with OpenMP (g++ 9 or newer, or clang with libomp; the compiler's own messages are "
+                    f"above). Fix: install one and rerun, or set {NO_NATIVE_ENV}=1 for a pure-Python install "
+                    f"(reference kernels only).") from exc
             finally:
                 self.build_temp = build_temp
 
-        def run(self):
-            try:
-                super().run()
-            except Exception as exc:
-                print(f"mla-ops: WARNING: native CPU kernels not built: {exc}", file=sys.stderr)
-
-    return extensions, {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)}
+    return extensions, {"build_ext": NativeBuildExtension.with_options(use_ninja=True)}
 
 
 _EXT_MODULES, _CMDCLASS = _native_extensions()
 
 setup(
     name="mla-ops",
-    version="0.1.0",
-    description="DeepSeek-V2 MLA kernels (KV prolog, paged latent cache, absorbed decode) as torch.ops.mla",
+    version=_read_version(),
+    description=("Multi-head latent attention (DeepSeek-V2/V3/V3.2 MLA and sparse attention) as PyTorch "
+                 "operators, torch.ops.mla: CPU, Ascend and reference backends, a transformers patch and a vLLM "
+                 "plugin"),
     long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["mla_ops", "mla_ops.*"]),
-    package_data={"mla_ops": ["assets/builtin_tokenizer/*"]},
-    # torch is deliberately unpinned here (pinned in requirements.txt): the package works with the
-    # torch a user already has (CPU, CUDA or torch_npu builds). The ops need nothing else; the
+    package_data={"mla_ops": ["py.typed", "assets/builtin_tokenizer/*", "assets/builtin_model/*"]},
+    # torch is bounded to the release the native kernels are built and tested against (TORCH_REQUIREMENT);
+    # any build of it works (CPU, CUDA, or the torch under torch_npu). The ops need nothing else; the
     # transformers integration and the CLI need transformers (the `transformers` extra, bounded to the
-    # range the model patch accepts at apply time). Keeping it out of install_requires lets mla-ops sit
+    # range the model patch accepts at patch time). Keeping it out of install_requires lets mla-ops sit
     # next to vLLM, which pins its own transformers.
-    install_requires=["torch>=2.6"],
+    install_requires=[TORCH_REQUIREMENT],
     extras_require={
         # the releases the patch is tested on: the hub remote code from 4.45, native models 4.54-5.24
         "transformers": ["transformers>=4.45,<5.25", "safetensors", "tokenizers"],

@@ -6,8 +6,13 @@ binds the backends' kernels (`mla_ops.backends`) and imports no NPU, CUDA or PyP
     import mla_ops, torch
     k_nope, value, k_pe = torch.ops.mla.kv_prolog(hidden, kv_a_w, None, norm_w, kv_b_w, cos, sin,
                                                   num_heads=16, qk_nope_head_dim=128, v_head_dim=128)
+
+`mla_ops.patch(model)` routes a transformers MLA model through the ops (it imports transformers when
+first used; see `mla_ops.integrations.transformers.patch.patch`).
 """
-from . import ops  # noqa: F401,I001  (defines the ops before the backends bind kernels to them)
+import warnings  # noqa: I001  (ops is imported first: it defines the ops the backends bind kernels to)
+
+from . import ops  # noqa: F401
 from . import backends, settings
 from .backends import explain
 from .ops import (
@@ -25,22 +30,45 @@ from .ops import (
     sparse_mla_attention,
     to_global_slots,
 )
+from ._version import __version__
 from .settings import set_backend, use_backend
 
 backends.bind()
+backends.cpu_native.warn_if_unavailable()
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str):
+    # `mla_ops.patch` is the transformers integration's `patch`: imported on first use, so that
+    # `import mla_ops` (the ops, the backends, the vLLM plugin) never imports transformers.
+    if name == "patch":
+        try:
+            from .integrations.transformers.patch import patch
+        except ModuleNotFoundError as exc:
+            if exc.name != "transformers":
+                raise
+            raise ModuleNotFoundError("mla_ops.patch needs transformers: pip install 'mla-ops[transformers]'",
+                                      name="transformers") from exc
+        globals()["patch"] = patch
+        return patch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "patch"})
 
 
 def patch_deepseek_v2(model=None, **options):
-    """Shortcut for `mla_ops.integrations.transformers.apply(model, **options)` (imports transformers)."""
-    from .integrations import transformers
+    """Deprecated name of `mla_ops.patch(model, **options)` (the same options and defaults)."""
+    patch = __getattr__("patch")
+    from .integrations.transformers.patch import deprecation_message
 
-    return transformers.apply(model, **options)
+    warnings.warn(deprecation_message("mla_ops.patch_deepseek_v2"), DeprecationWarning, stacklevel=2)
+    return patch(model, **options)
 
 
+# (`patch` is left out: `from mla_ops import *` must not need transformers)
 __all__ = [
-    "backends", "settings", "explain", "patch_deepseek_v2", "set_backend", "use_backend",
+    "__version__", "backends", "settings", "explain", "patch_deepseek_v2", "set_backend", "use_backend",
     "rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog",
     "scatter_pa_kv_cache", "gather_pa_kv_cache", "gather_pa_kv_cache_into", "mla_decode_attention",
     "scatter_pa_cache", "lightning_indexer", "sparse_mla_attention", "to_global_slots",

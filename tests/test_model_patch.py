@@ -1,5 +1,9 @@
 """The DeepSeek-V2 model patch (dense mode) against the stock transformers model."""
 
+import dataclasses
+import importlib
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -30,7 +34,7 @@ def test_prefill_logits_bit_identical(config_name, dtype_name, attn):
     ids = random_prompt(config, batch=2, length=19)
     with torch.no_grad():
         expected = model(ids).logits
-        with patch.apply(model), MlaCalls() as calls:
+        with mla_ops.patch(model, cache="dense"), MlaCalls() as calls:
             got = model(ids).logits
     assert calls.counts == {"kv_prolog": config.num_hidden_layers}
     assert torch.equal(got, expected)
@@ -51,7 +55,7 @@ def test_decode_logits_16_steps(config_name, dtype_name, attn):
                   return_dict_in_generate=True)
     with torch.no_grad():
         expected = model.generate(ids, **kwargs)
-        with patch.apply(model):
+        with mla_ops.patch(model, cache="dense"):
             got = model.generate(ids, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     for step, (a, b) in enumerate(zip(got.logits, expected.logits)):
@@ -77,7 +81,7 @@ def test_greedy_generate_32_tokens_and_padded_batch(config_name, dtype_name):
     with torch.no_grad():
         expected_single = model.generate(single, max_new_tokens=32, min_new_tokens=32, **gen)
         expected_batch = model.generate(batch, attention_mask=mask, max_new_tokens=12, **gen)
-        with patch.apply(model):
+        with mla_ops.patch(model, cache="dense"):
             got_single = model.generate(single, max_new_tokens=32, min_new_tokens=32, **gen)
             got_batch = model.generate(batch, attention_mask=mask, max_new_tokens=12, **gen)
     assert got_single.shape[1] == 12 + 32
@@ -99,12 +103,12 @@ def test_instance_scope_class_scope_and_revert():
     ids = random_prompt(config)
     with torch.no_grad():
         expected = other(ids).logits
-    handle = patch.apply(patched)
+    handle = mla_ops.patch(patched, cache="dense")
     attn = patched.model.layers[0].self_attn
     assert attn.forward.__func__ is patch.mla_attention_forward
     assert other.model.layers[0].self_attn.forward.__func__ is ORIGINAL_ATTENTION_FORWARD, "other models untouched"
     assert hf.DeepseekV2Attention.forward is ORIGINAL_ATTENTION_FORWARD, "instance patch leaves the class alone"
-    second = patch.apply(patched)  # applying again replaces the first patch (newest options win)
+    second = mla_ops.patch(patched, cache="dense")  # applying again replaces the first patch (newest options win)
     assert not handle.active and patch.active_patches() == [second]
     handle.revert()  # reverting a replaced handle is harmless
     assert attn.forward.__func__ is patch.mla_attention_forward
@@ -115,7 +119,8 @@ def test_instance_scope_class_scope_and_revert():
     with torch.no_grad():
         assert torch.equal(patched(ids).logits, expected)
 
-    with patch.apply(rms_norm=True) as class_handle:  # class level: models built afterwards use the ops
+    # class level: models built afterwards use the ops
+    with mla_ops.patch(rms_norm=True, cache="dense") as class_handle:
         assert hf.DeepseekV2Attention.forward is patch.mla_attention_forward
         assert hf.DeepseekV2RMSNorm.forward is patch.rms_norm_forward
         fresh = build_model(config)
@@ -132,7 +137,7 @@ def test_instance_scope_class_scope_and_revert():
     import weakref
 
     doomed = build_model(config)
-    patch.apply(doomed, cache="paged" if patch.releases.current_release().paged else "dense")
+    mla_ops.patch(doomed, cache="paged" if patch.releases.current_release().paged else "dense")
     alive = weakref.ref(doomed)
     del doomed
     gc.collect()
@@ -146,9 +151,9 @@ def test_rope_and_rms_norm_options_route_their_ops(dtype_name):
     ids = random_prompt(config, batch=2, length=7)
     with torch.no_grad():
         expected = model(ids).logits
-        with patch.apply(model, kv_prolog=False, rope=True, rms_norm=True), MlaCalls() as calls:
+        with mla_ops.patch(model, kv_prolog=False, rope=True, rms_norm=True, cache="dense"), MlaCalls() as calls:
             got_stock_kv = model(ids).logits
-        with patch.apply(model, kv_prolog=True, rope=True, rms_norm=True), MlaCalls() as calls_all:
+        with mla_ops.patch(model, kv_prolog=True, rope=True, rms_norm=True, cache="dense"), MlaCalls() as calls_all:
             got_all = model(ids).logits
     layers = config.num_hidden_layers
     # without kv_prolog: q_pe and k_pe rotations; every RMSNorm incl. kv_a_layernorm and the final norm
@@ -171,7 +176,7 @@ def test_fullgraph_compile_of_the_prefill_has_the_ops_as_nodes():
         graphs.append(gm)
         return gm.forward
 
-    with torch.no_grad(), patch.apply(model, rope=True, rms_norm=True):
+    with torch.no_grad(), mla_ops.patch(model, rope=True, rms_norm=True, cache="dense"):
         torch._dynamo.reset()
         eager = model(ids, use_cache=False).logits
         got = torch.compile(model, backend=capture, fullgraph=True)(ids, use_cache=False).logits
@@ -210,7 +215,7 @@ def test_static_cache_fullgraph_compile_has_kv_prolog_and_matches_stock():
             graphs.append(gm)
             return gm.forward
 
-        with patch.apply(model):
+        with mla_ops.patch(model, cache="dense"):
             torch._dynamo.reset()
             compiled = torch.compile(model, backend=capture, fullgraph=True)
             got = greedy(step(compiled), StaticCache(config=config, max_cache_len=32))
@@ -235,7 +240,7 @@ def test_generate_with_static_cache_and_compile_config():
         compile_config._compile_all_devices = True  # transformers only auto-compiles on CPU when asked to
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        with patch.apply(model):
+        with mla_ops.patch(model, cache="dense"):
             got = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
                                  compile_config=compile_config)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "generate did not compile the decode step"
@@ -252,7 +257,7 @@ def test_patched_model_still_trains():
     patched.train()
     ids = random_prompt(config, batch=2, length=10)
     stock(ids, labels=ids).loss.backward()
-    with patch.apply(patched, rms_norm=True, rope=True):
+    with mla_ops.patch(patched, rms_norm=True, rope=True, cache="dense"):
         loss = patched(ids, labels=ids).loss
         loss.backward()
     names = ["q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
@@ -269,25 +274,25 @@ def test_version_outside_supported_range_is_refused(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "4.53.0")
     monkeypatch.delenv(patch.ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(RuntimeError, match=r"supports transformers >= 4\.54\.0 .*, < 5\.25\.0 .* found 4\.53\.0"):
-        patch.apply()
+        mla_ops.patch(cache="dense")
     monkeypatch.setenv(patch.ALLOW_UNTESTED_ENV, "1")
-    patch.apply().revert()
+    mla_ops.patch(cache="dense").revert()
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="cache must be one of"):
-        patch.apply(cache="latent")
+        mla_ops.patch(cache="latent")
     with pytest.raises(ValueError, match="no multi-head latent attention found in Linear"):
-        patch.apply(torch.nn.Linear(2, 2))
+        mla_ops.patch(torch.nn.Linear(2, 2), cache="dense")
     with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got str"):
-        patch.apply("model")
+        mla_ops.patch("model", cache="dense")
     with pytest.raises(ValueError, match="no multi-head latent attention found in Linear"):
-        patch.apply(torch.nn.Linear(2, 2), kv_prolog=False, rms_norm=True)
+        mla_ops.patch(torch.nn.Linear(2, 2), kv_prolog=False, rms_norm=True, cache="dense")
     with pytest.raises(ValueError, match="nothing to patch: kv_prolog, q_prolog, rope and rms_norm are all False"):
-        patch.apply(kv_prolog=False)
+        mla_ops.patch(kv_prolog=False, cache="dense")
     with pytest.raises(ValueError, match=r"rope_compute_dtype must be one of \('stock', 'float32', 'activation'\) "
                                          r".* got 'bf16'"):
-        patch.apply(build_model(tiny_config()), rope_compute_dtype="bf16")
+        mla_ops.patch(build_model(tiny_config()), rope_compute_dtype="bf16", cache="dense")
     assert not patch.active_patches()
 
 
@@ -301,16 +306,54 @@ def test_deepseek_v2_rotates_in_fp32_unless_told_otherwise(rounding):
     ids = random_prompt(config, batch=2, length=19)
     with torch.no_grad():
         expected = model(ids).logits
-        with patch.apply(model, rope=True, rope_compute_dtype=rounding) as handle:
+        with mla_ops.patch(model, rope=True, rope_compute_dtype=rounding, cache="dense") as handle:
             got = model(ids).logits
     assert handle.options.rope_compute_dtype == rounding
     assert torch.equal(got, expected) == (rounding != "activation")
 
 
-def test_top_level_shortcut():
+def test_patch_is_the_integrations_patch_and_states_each_option_once():
+    """`mla_ops.patch` is the integration's one `patch`; its signature shows PatchOptions' fields and
+    defaults, and its docstring documents each option once."""
+    assert mla_ops.patch is importlib.import_module("mla_ops.integrations.transformers.patch").patch
+    fields = dataclasses.fields(patch.PatchOptions)
+    parameters = inspect.signature(mla_ops.patch).parameters
+    assert list(parameters) == ["model", "family", *(f.name for f in fields)]
+    assert all(parameters[f.name].default == f.default for f in fields)
+    for name in parameters:
+        assert mla_ops.patch.__doc__.count(f"\n        {name}: ") == 1, name
+
+
+def test_unknown_option_is_refused_by_name():
     model = build_model(tiny_config())
-    with mla_ops.patch_deepseek_v2(model) as handle:
-        assert handle.patched_modules == 2
+    with pytest.raises(TypeError, match=r"patch\(\) got an unknown option 'cahce' \(did you mean 'cache'\?\); its "
+                                        r"options are model, family, kv_prolog, .*rope_compute_dtype"):
+        mla_ops.patch(model, cahce="dense")
+    with pytest.raises(TypeError, match="rope must be True or False, got 'yes'"):
+        mla_ops.patch(model, rope="yes")
+    with pytest.raises(ValueError, match="cache='paged' needs kv_prolog=True .* pass cache='dense'"):
+        mla_ops.patch(model, kv_prolog=False, rope=True)
+    assert not patch.active_patches() and all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_deprecated_names_warn_and_still_patch():
+    """`mla_ops.patch_deepseek_v2` and `integrations.transformers.apply`: `mla_ops.patch` under its
+    former names, with a DeprecationWarning that points at it."""
+    config = tiny_config()
+    model = build_model(config)
+    ids = random_prompt(config, batch=1, length=7)
+    with torch.no_grad():
+        expected = model(ids).logits
+        for deprecated, name in ((mla_ops.patch_deepseek_v2, "mla_ops.patch_deepseek_v2"),
+                                 (patch.apply, "mla_ops.integrations.transformers.apply")):
+            with pytest.warns(DeprecationWarning, match=f"{name} is deprecated: use mla_ops.patch"):
+                handle = deprecated(model, cache="dense")
+            with handle, MlaCalls() as calls:
+                got = model(ids).logits
+            assert handle.options == patch.PatchOptions(cache="dense") and handle.patched_modules == 2
+            assert calls.counts["kv_prolog"] == config.num_hidden_layers
+            assert torch.equal(got, expected)
+    assert not patch.active_patches()
 
 
 @pytest.mark.skipif(patch.releases.current_release().paged, reason="this transformers serves cache='paged' "
@@ -320,5 +363,5 @@ def test_paged_mode_is_refused_where_the_cache_api_differs():
     tensor) than the one MLAPagedCache implements: refused, before anything changes."""
     model = build_model(tiny_config(), torch.float32, "sdpa")
     with pytest.raises(NotImplementedError, match=r"cache='paged' needs transformers >= 5\.4\.0 .* Use cache='dense'"):
-        patch.apply(model, cache="paged")
+        mla_ops.patch(model, cache="paged")
     assert not patch.active_patches() and all("forward" not in m.__dict__ for m in model.modules())

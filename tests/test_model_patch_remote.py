@@ -27,6 +27,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask  # noqa: E402
 
+import mla_ops  # noqa: E402
 from mla_ops.cli import main  # noqa: E402
 from mla_ops.integrations import transformers as patch  # noqa: E402
 
@@ -126,7 +127,7 @@ def test_prefill_logits_bit_identical(checkpoint, name, rope, dtype):
     layers = model.config.num_hidden_layers
     with torch.no_grad():
         expected = model(ids, attention_mask=mask, output_hidden_states=True)
-        with patch.apply(model, rope=rope, rms_norm=True) as handle, MlaCalls() as calls:
+        with mla_ops.patch(model, rope=rope, rms_norm=True, cache="dense") as handle, MlaCalls() as calls:
             got = model(ids, attention_mask=mask, output_hidden_states=True)
     norms = 3 * layers + 1 + (layers if model.config.q_lora_rank else 0)  # input, post-attn, kv_a (+ q_a), final
     assert handle.patched_modules == layers + norms
@@ -158,7 +159,7 @@ def test_greedy_generate_matches_stock_with_the_4x_dynamic_cache(checkpoint, nam
                   output_scores=True, return_legacy_cache=False)
     with torch.no_grad():
         stock = model.generate(**batch, **kwargs)
-        with patch.apply(model, rope=True), MlaCalls() as calls:
+        with mla_ops.patch(model, rope=True, cache="dense"), MlaCalls() as calls:
             got = model.generate(**batch, **kwargs)
     layers, prompt = model.config.num_hidden_layers, batch.input_ids.shape[1]
     assert calls.counts["kv_prolog"] == layers * new  # the prefill and every decode step went through mla
@@ -193,7 +194,7 @@ def test_decode_through_the_legacy_tuple_cache_bit_identical(checkpoint, dtype):
     ids = torch.randint(3, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, expected_cache = _teacher_forced(model, ids, 9)
-        with patch.apply(model, rope=True), MlaCalls() as calls:
+        with mla_ops.patch(model, rope=True, cache="dense"), MlaCalls() as calls:
             got, cache = _teacher_forced(model, ids, 9)
     assert calls.counts["kv_prolog"] == model.config.num_hidden_layers * 6
     assert isinstance(cache, tuple) and len(cache) == model.config.num_hidden_layers
@@ -218,9 +219,10 @@ def test_bf16_is_bit_identical_and_the_fp32_rotation_as_accurate_as_stock(checkp
     with torch.no_grad():
         exact, _ = _teacher_forced(reference, ids, 16)
         stock, _ = _teacher_forced(model, ids, 16)
-        with patch.apply(model, rope=True, rms_norm=True):
+        with mla_ops.patch(model, rope=True, rms_norm=True, cache="dense"):
             same, _ = _teacher_forced(model, ids, 16)
-        with patch.apply(model, rope=True, rms_norm=True, rope_compute_dtype="float32"), MlaCalls() as calls:
+        with mla_ops.patch(model, rope=True, rms_norm=True, rope_compute_dtype="float32", cache="dense"), \
+                MlaCalls() as calls:
             got, _ = _teacher_forced(model, ids, 16)
     assert torch.equal(same, stock)
     assert calls.counts["kv_prolog"] == calls.counts["rope"] == model.config.num_hidden_layers * 9
@@ -235,7 +237,7 @@ def test_the_patched_attention_returns_the_three_tuple_and_its_weights(checkpoin
     ids, mask = prompt_batch(model, length=7)
     with torch.no_grad():
         expected = model(ids, attention_mask=mask, output_attentions=True)
-        with patch.apply(model):
+        with mla_ops.patch(model, cache="dense"):
             got = model(ids, attention_mask=mask, output_attentions=True)
     assert len(got.attentions) == model.config.num_hidden_layers
     for a, b in zip(got.attentions, expected.attentions):
@@ -248,7 +250,7 @@ def test_the_patched_attention_returns_the_three_tuple_and_its_weights(checkpoin
     positions = torch.arange(5)[None]
     with torch.no_grad():
         ref_out, ref_weights, _ = attn(hidden, mask4, positions, DynamicCache(), output_attentions=True)
-        with patch.apply(model):
+        with mla_ops.patch(model, cache="dense"):
             cache = DynamicCache()
             result = attn(hidden, mask4, positions, cache, output_attentions=True, use_cache=True)
     assert isinstance(result, tuple) and len(result) == 3 and result[2] is cache
@@ -259,18 +261,18 @@ def test_the_patched_attention_returns_the_three_tuple_and_its_weights(checkpoin
 def test_paged_mode_is_refused_clearly(checkpoint):
     model = load(checkpoint("tiny"))
     with pytest.raises(NotImplementedError, match="cache='paged' supports transformers' own MLA attention"):
-        patch.apply(model, cache="paged")
+        mla_ops.patch(model, cache="paged")
     assert_stock(model)
     assert not patch.active_patches()
 
 
 def test_a_refused_reapply_keeps_the_previous_patch(checkpoint):
-    """apply() checks everything before touching the model: a refused re-apply (paged on remote code)
+    """patch() checks everything before touching the model: a refused re-apply (paged on remote code)
     leaves the earlier dense patch in place, handle and all, and the model still runs through it."""
     model = load(checkpoint("tiny"))
-    handle = patch.apply(model)
+    handle = mla_ops.patch(model, cache="dense")
     with pytest.raises(NotImplementedError, match="cache='paged' supports transformers' own MLA attention"):
-        patch.apply(model, cache="paged")
+        mla_ops.patch(model, cache="paged")
     assert handle.active and patch.active_patches() == [handle]
     assert all(a.forward.__func__ is patch.remote_attention_forward for a in attentions(model))
     ids, mask = prompt_batch(model)
@@ -288,7 +290,7 @@ def test_the_hub_flash_attention_class_is_refused_with_the_fix(checkpoint):
     for attn in attentions(model):
         attn.__class__ = flash
     with pytest.raises(NotImplementedError, match="attn_implementation='eager'"):
-        patch.apply(model)
+        mla_ops.patch(model, cache="dense")
     assert_stock(model)
     assert not patch.active_patches()
 
@@ -296,7 +298,7 @@ def test_the_hub_flash_attention_class_is_refused_with_the_fix(checkpoint):
 def test_rope_without_kv_prolog_is_refused(checkpoint):
     model = load(checkpoint("tiny"))
     with pytest.raises(ValueError, match="use kv_prolog=True"):
-        patch.apply(model, kv_prolog=False, rope=True)
+        mla_ops.patch(model, kv_prolog=False, rope=True, cache="dense")
     assert_stock(model)
 
 
@@ -306,7 +308,7 @@ def test_revert_restores_the_stock_forwards(checkpoint):
     classes = {type(m): type(m).forward for m in model.modules()}
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
-        handle = patch.apply(model, rope=True, rms_norm=True)
+        handle = mla_ops.patch(model, rope=True, rms_norm=True, cache="dense")
         assert all(a.forward.__func__ is patch.remote_attention_forward for a in attentions(model))
         handle.revert()
         assert not handle.active and not patch.active_patches()

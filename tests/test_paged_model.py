@@ -1,9 +1,10 @@
-"""`apply(model, cache="paged")`: the paged latent cache + absorbed decode against stock transformers."""
+"""`mla_ops.patch(model, cache="paged")`: the paged latent cache + absorbed decode against stock transformers."""
 import pytest
 import torch
 from transformers import CompileConfig, DynamicCache
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
 
+import mla_ops
 from mla_ops.integrations import transformers as patch
 from mla_ops.integrations.transformers import MLAPagedCache
 
@@ -32,7 +33,7 @@ def test_greedy_tokens_identical_to_stock_fp32(config_name):
     ids = random_prompt(config, length=20)
     with torch.no_grad():
         expected = model.generate(ids, **_greedy(max_new_tokens=24, min_new_tokens=24))
-        with patch.apply(model, cache="paged"), MlaCalls() as calls:
+        with mla_ops.patch(model, cache="paged"), MlaCalls() as calls:
             got = model.generate(ids, **_greedy(max_new_tokens=24, min_new_tokens=24))
     assert isinstance(got.past_key_values, MLAPagedCache)
     assert torch.equal(got.sequences, expected.sequences)
@@ -44,6 +45,23 @@ def test_greedy_tokens_identical_to_stock_fp32(config_name):
     assert torch.equal(got.logits[0], expected.logits[0])
     for a, b in zip(got.logits[1:], expected.logits[1:]):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def test_patch_defaults_to_the_paged_latent_cache():
+    """`mla_ops.patch(model)` with no option: the latent KV prolog and the paged latent cache with the
+    absorbed decode (PatchOptions' defaults), and stock's greedy tokens."""
+    config = tiny_config()
+    model = build_model(config, torch.float32, "sdpa")
+    ids = random_prompt(config, length=12)
+    with torch.no_grad():
+        expected = model.generate(ids, **_greedy(max_new_tokens=8, min_new_tokens=8))
+        with mla_ops.patch(model) as handle, MlaCalls() as calls:
+            got = model.generate(ids, **_greedy(max_new_tokens=8, min_new_tokens=8))
+    assert handle.options == patch.PatchOptions() and handle.options.cache == "paged"
+    assert isinstance(got.past_key_values, MLAPagedCache)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert calls.counts["mla_decode_attention"] == 7 * config.num_hidden_layers
+    assert "kv_prolog" not in calls.counts
 
 
 def _teacher_forced_logits(model, tokens, prompt_len):
@@ -72,7 +90,7 @@ def test_bf16_logits_within_tolerance_of_stock():
     with torch.no_grad():
         fp32 = _teacher_forced_logits(reference, tokens, 24)
         expected = _teacher_forced_logits(model, tokens, 24)
-        with patch.apply(model, cache="paged"):
+        with mla_ops.patch(model, cache="paged"):
             got = _teacher_forced_logits(model, tokens, 24)
     assert torch.equal(got[0], expected[0]), "prefill is stock's arithmetic"
 
@@ -92,7 +110,7 @@ def test_padded_batch_equals_one_at_a_time():
     for i, p in enumerate(prompts):
         batch[i, 12 - len(p):], mask[i, 12 - len(p):] = p, 1
     gen = dict(do_sample=False, pad_token_id=config.pad_token_id, max_new_tokens=10, min_new_tokens=10)
-    with torch.no_grad(), patch.apply(model, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, cache="paged"):
         singles = [model.generate(p[None], **gen)[0, len(p):] for p in prompts]
         out = model.generate(batch, attention_mask=mask, return_dict_in_generate=True, **gen)
     for i in range(3):
@@ -110,7 +128,7 @@ def test_prompt_continued_in_two_generate_calls():
     ids = random_prompt(config, length=10)
     turn = random_prompt(config, length=6, seed=5)
     with torch.no_grad():
-        with patch.apply(model, cache="paged"):
+        with mla_ops.patch(model, cache="paged"):
             one = model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12)
             first = model.generate(ids, **_greedy(max_new_tokens=5, min_new_tokens=5))
             second = model.generate(first.sequences, **{CACHE: first.past_key_values}, do_sample=False,
@@ -131,7 +149,7 @@ def test_cache_memory_is_the_latent():
     config = lite_attn_config()
     model = build_model(config, torch.bfloat16, "sdpa")
     ids = random_prompt(config, length=150)
-    with torch.no_grad(), patch.apply(model, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, cache="paged"):
         out = model(ids, use_cache=True)
     report = out.past_key_values.memory_report()
     assert report["payload_bytes_per_token_per_layer"] == 1152
@@ -146,7 +164,7 @@ def test_dynamic_pool_grows_block_by_block():
     ids = random_prompt(config, length=5)
     with torch.no_grad():
         expected = model.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
-        with patch.apply(model, cache="paged"):
+        with mla_ops.patch(model, cache="paged"):
             cache = MLAPagedCache(config, block_size=4)  # no size hint: one block per row to start with
             got = model.generate(ids, **{CACHE: cache}, do_sample=False, max_new_tokens=20, min_new_tokens=20)
     assert torch.equal(got, expected)
@@ -161,7 +179,7 @@ def test_sampling_matches_stock_under_the_same_seed():
     with torch.no_grad():
         torch.manual_seed(7)
         expected = model.generate(ids, **gen)
-        with patch.apply(model, cache="paged"):
+        with mla_ops.patch(model, cache="paged"):
             torch.manual_seed(7)
             got = model.generate(ids, **gen)
     assert torch.equal(got, expected)
@@ -171,7 +189,7 @@ def test_beam_search_and_other_caches():
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
     ids = random_prompt(config, length=6)
-    with torch.no_grad(), patch.apply(model, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, cache="paged"):
         with pytest.raises(NotImplementedError, match="does not support beam search"):
             model.generate(ids, num_beams=2, max_new_tokens=3)
         # a cache passed in explicitly is respected (served by the dense path)
@@ -208,7 +226,7 @@ def test_static_cache_decode_compiles_fullgraph_and_matches_eager():
         graphs.append(gm)
         return gm.forward
 
-    with torch.no_grad(), patch.apply(model, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, cache="paged"):
         eager = greedy(model, static_cache())
         torch._dynamo.reset()
         compiled = greedy(torch.compile(model, backend=capture, fullgraph=True), static_cache())
@@ -234,7 +252,7 @@ def test_static_cache_decode_compiles_fullgraph_and_matches_eager():
 def test_class_level_paged_patch():
     config = tiny_config()
     ids = random_prompt(config, length=6)
-    with patch.apply(cache="paged"):
+    with mla_ops.patch(cache="paged"):
         model = build_model(config)
         with torch.no_grad():
             out = model(ids, use_cache=True)
@@ -247,7 +265,7 @@ def test_class_level_paged_patch():
 def test_static_cache_overflow_is_a_clear_error():
     config = tiny_config()
     model = build_model(config)
-    with torch.no_grad(), patch.apply(model, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, cache="paged"):
         cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=8, block_size=4)
         with pytest.raises(ValueError, match=r"holds 8 tokens per row \(max_cache_len=8\); this forward needs 10"):
             model(random_prompt(config, length=10), **{CACHE: cache}, use_cache=True)
@@ -259,7 +277,7 @@ def test_dynamic_cache_under_compile_is_a_clear_error():
     model = build_model(config, torch.float32, "sdpa")
     ids = random_prompt(config, length=6)
     torch._dynamo.reset()
-    with torch.no_grad(), patch.apply(model, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, cache="paged"):
         with pytest.raises(Exception, match=r"MLAPagedCache\(static=False\).*static=True"):
             torch.compile(model, backend="eager", fullgraph=True)(ids, cache=MLAPagedCache(config), use_cache=True)
 
@@ -274,7 +292,7 @@ def test_chunked_prefill_equals_stock_on_the_whole_text(static):
     chunks = [(0, 9), (9, 14), (14, 20), (20, 21), (21, 22), (22, 23)]  # three prefills, three decode steps
     with torch.no_grad():
         expected = model(ids).logits
-        with patch.apply(model, cache="paged"):
+        with mla_ops.patch(model, cache="paged"):
             cache = (MLAPagedCache(config, static=True, batch_size=1, max_cache_len=32, block_size=4) if static
                      else MLAPagedCache(config, block_size=4))
             got = [model(ids[:, a:b], **{CACHE: cache}, position_ids=torch.arange(a, b)[None], use_cache=True).logits
@@ -290,7 +308,7 @@ def test_weights_changed_after_decoding_are_picked_up():
     model = build_model(config, torch.float32, "sdpa")
     ids = random_prompt(config, length=8)
     gen = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8, output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad(), patch.apply(model, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, cache="paged"):
         model.generate(ids, **gen)
         for layer in model.model.layers:
             layer.self_attn.kv_b_proj.weight.mul_(1.7)
@@ -311,18 +329,18 @@ def test_weights_changed_after_decoding_are_picked_up():
 
 
 def test_reapplying_with_other_options_replaces_the_patch():
-    """apply() on an already patched model: the newest options win, and one revert restores stock."""
+    """patch() on an already patched model: the newest options win, and one revert restores stock."""
     config = tiny_config()
     model = build_model(config, torch.float32, "sdpa")
     ids = random_prompt(config, length=6)
     with torch.no_grad():
-        patch.apply(model, cache="paged")
+        mla_ops.patch(model, cache="paged")
         assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
-        patch.apply(model, cache="dense")
+        mla_ops.patch(model, cache="dense")
         with MlaCalls() as calls:
             out = model(ids, use_cache=True)
         assert isinstance(out.past_key_values, DynamicCache) and calls.counts == {"kv_prolog": 2}
-        handle = patch.apply(model, cache="paged")
+        handle = mla_ops.patch(model, cache="paged")
         assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
         assert patch.active_patches() == [handle]
         handle.revert()
@@ -340,7 +358,7 @@ def test_num_return_sequences_sampling_matches_stock():
     with torch.no_grad():
         torch.manual_seed(3)
         expected = model.generate(ids, **gen)
-        with patch.apply(model, cache="paged"):
+        with mla_ops.patch(model, cache="paged"):
             torch.manual_seed(3)
             got = model.generate(ids, **gen)
     assert isinstance(got.past_key_values, MLAPagedCache) and got.past_key_values.batch_size == 2
@@ -361,7 +379,7 @@ def test_training_step_under_the_paged_patch_equals_stock():
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     expected_loss, expected_grads = loss_and_grads()
-    with patch.apply(model, cache="paged"):
+    with mla_ops.patch(model, cache="paged"):
         loss, grads = loss_and_grads()
     assert torch.equal(loss, expected_loss)
     assert grads.keys() == expected_grads.keys()
@@ -389,7 +407,7 @@ def test_crop_then_continue_equals_stock():
     ids = random_prompt(config, length=6)
     gen = dict(do_sample=False, min_new_tokens=5, max_new_tokens=5)
     with torch.no_grad():
-        with patch.apply(model, cache="paged"):
+        with mla_ops.patch(model, cache="paged"):
             out = model.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10,
                                  return_dict_in_generate=True)
             cache = out.past_key_values
@@ -406,13 +424,13 @@ def test_class_level_paged_revert_frees_the_absorbed_weights():
     """The decode path's W_UK / W_UV copies (one kv_b_proj's worth per layer) go with the patch."""
     config = tiny_config()
     ids = random_prompt(config, length=6)
-    with patch.apply(cache="paged"):
+    with mla_ops.patch(cache="paged"):
         model = build_model(config)
         with torch.no_grad():
             model.generate(ids, do_sample=False, max_new_tokens=3, min_new_tokens=3)
         assert all("_mla_ops_absorbed" in layer.self_attn.__dict__ for layer in model.model.layers)
     assert not any("_mla_ops_absorbed" in layer.self_attn.__dict__ for layer in model.model.layers)
-    with patch.apply(model, cache="paged") as handle:
+    with mla_ops.patch(model, cache="paged") as handle:
         with torch.no_grad():
             model.generate(ids, do_sample=False, max_new_tokens=3, min_new_tokens=3)
         assert all("_mla_ops_absorbed" in layer.self_attn.__dict__ for layer in model.model.layers)
@@ -429,7 +447,7 @@ def test_instance_dense_patch_under_a_class_level_paged_patch():
     model = build_model(config)
     with torch.no_grad():
         expected = model.generate(ids, **gen)
-        with patch.apply(cache="paged"), patch.apply(model, rope=True):
+        with mla_ops.patch(cache="paged"), mla_ops.patch(model, rope=True, cache="dense"):
             got = model.generate(ids, **gen, return_dict_in_generate=True)
     assert isinstance(got.past_key_values, DynamicCache)
     assert torch.equal(got.sequences, expected)
@@ -467,20 +485,20 @@ def _assert_plain_stock(model, ids, expected):
 @pytest.mark.parametrize("cache", ["dense", "paged"])
 def test_copies_and_saves_of_an_instance_patched_model_are_stock_and_patchable(cache, copy_fn):
     """A copy (deepcopy, or torch.save + torch.load) of an instance-patched model is a plain stock
-    model: no patch entry, stock logits, no mla op; apply() patches it and revert() restores it; the
+    model: no patch entry, stock logits, no mla op; patch() patches it and revert() restores it; the
     original keeps its own patch."""
     config = tiny_config()
     model = build_model(config)
     ids = random_prompt(config, length=6)
     with torch.no_grad():
         expected = model(ids, use_cache=True).logits
-    handle = patch.apply(model, cache=cache)
+    handle = mla_ops.patch(model, cache=cache)
     with torch.no_grad():  # a paged prefill and a decode step: the absorbed copies exist
         out = model(ids, use_cache=True)
         model(ids[:, -1:], **{CACHE: out.past_key_values}, use_cache=True)
     clone = copy_fn(model)
     _assert_plain_stock(clone, ids, expected)
-    with patch.apply(clone, cache=cache), torch.no_grad(), MlaCalls() as calls:
+    with mla_ops.patch(clone, cache=cache), torch.no_grad(), MlaCalls() as calls:
         out = clone(ids, use_cache=True)
     assert calls.counts and isinstance(out.past_key_values, MLAPagedCache) == (cache == "paged")
     _assert_plain_stock(clone, ids, expected)
@@ -501,7 +519,7 @@ def test_copies_of_a_class_patched_model_follow_the_class(cache, copy_fn):
     ids = random_prompt(config, length=6)
     with torch.no_grad():
         expected = stock(ids, use_cache=True).logits
-    with patch.apply(cache=cache):
+    with mla_ops.patch(cache=cache):
         model = build_model(config)
         model.load_state_dict(stock.state_dict())
         with torch.no_grad():
@@ -518,9 +536,9 @@ def test_copies_of_a_class_patched_model_follow_the_class(cache, copy_fn):
 def test_an_instance_dense_patch_wins_over_a_class_paged_patch():
     config = tiny_config()
     ids = random_prompt(config, length=6)
-    with patch.apply(cache="paged"):
+    with mla_ops.patch(cache="paged"):
         model, other = build_model(config), build_model(config)
-        with patch.apply(model, cache="dense"), torch.no_grad(), MlaCalls() as calls:
+        with mla_ops.patch(model, cache="dense"), torch.no_grad(), MlaCalls() as calls:
             assert isinstance(model(ids, use_cache=True).past_key_values, DynamicCache)
             out = model.generate(ids, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
             assert not isinstance(out.past_key_values, MLAPagedCache)
@@ -532,7 +550,7 @@ def test_an_instance_dense_patch_wins_over_a_class_paged_patch():
             assert isinstance(model(ids, use_cache=True).past_key_values, MLAPagedCache)
     # the other order: the class-level paged patch applied after the instance's dense one
     model = build_model(config)
-    with patch.apply(model, cache="dense"), patch.apply(cache="paged"), torch.no_grad():
+    with mla_ops.patch(model, cache="dense"), mla_ops.patch(cache="paged"), torch.no_grad():
         assert isinstance(model(ids, use_cache=True).past_key_values, DynamicCache)
         out = model.generate(ids, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
         assert not isinstance(out.past_key_values, MLAPagedCache)
@@ -552,7 +570,7 @@ def test_dynamic_pool_reserves_what_is_generated_not_max_new_tokens():
     config = tiny_config()
     model = build_model(config)
     ids = random_prompt(config, length=6)
-    with torch.no_grad(), patch.apply(model, cache="paged"):
+    with torch.no_grad(), mla_ops.patch(model, cache="paged"):
         out = model.generate(ids, do_sample=False, max_new_tokens=200_000, return_dict_in_generate=True,
                              stopping_criteria=StoppingCriteriaList([AfterFive()]))
     assert out.sequences.shape[1] == 11

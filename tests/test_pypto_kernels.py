@@ -65,8 +65,8 @@ def run_stage2(tokens, *, rope_layout, dtype=torch.bfloat16, dims=V2_LITE, seed=
     inputs = bench.make_stage2_inputs(tokens, dtype=dtype, kv_lora_rank=lora, rope_dim=rope, seed=seed,
                                       **dims)
     goldens = bench.stage2_reference(**inputs, rope_layout=rope_layout, **dims)
-    outputs, result = s2._run(**inputs, **dims, rope_layout=rope_layout, goldens=goldens,
-                              config=config or s2.DEFAULT_STAGE2_CONFIG)
+    outputs, result = s2.run_with_result(**inputs, **dims, rope_layout=rope_layout, goldens=goldens,
+                                         config=config or s2.DEFAULT_STAGE2_CONFIG)
     return outputs, goldens, result, inputs
 
 
@@ -161,7 +161,7 @@ def test_stage2_simulated_time_is_deterministic(pypto_sim):
 def test_stage2_zero_tokens_runs_nothing():
     from mla_ops.kernels.pypto import kv_prolog_stage2 as s2
     inputs = bench.make_stage2_inputs(0)
-    outputs, result = s2._run(**inputs, **V2_LITE)
+    outputs, result = s2.run_with_result(**inputs, **V2_LITE)
     assert result is None and [tuple(o.shape) for o in outputs] == [(0, 16, 128), (0, 16, 128), (0, 64)]
 
 
@@ -210,7 +210,7 @@ def run_gather(inputs, **kwargs):
     ref_golden = reference_gather(inputs)
     assert torch.equal(loop_golden[0], ref_golden[0]) and torch.equal(loop_golden[1], ref_golden[1])
     sentinel = inputs["key"][-1].clone(), inputs["value"][-1].clone()
-    result = gpa._run(**inputs, goldens=ref_golden, **kwargs)
+    result = gpa.run_with_result(**inputs, goldens=ref_golden, **kwargs)
     key, value = inputs["key"], inputs["value"]
     assert torch.equal(key, ref_golden[0]) and torch.equal(value, ref_golden[1])      # bit-exact
     covered = int(inputs["seq_lens"][-1]) if inputs["is_seq_lens_cumsum"] else int(inputs["seq_lens"].sum())
@@ -287,8 +287,8 @@ def test_gather_clamps_bad_values_instead_of_reading_out_of_bounds(pypto_sim):
     seq_lens = torch.tensor([0, 5, 9, 30], dtype=torch.int32)
     seq_offset = torch.tensor([0, 0, 16 * 5], dtype=torch.int32)
     key, value = torch.zeros(20, 1, 32).bfloat16(), torch.zeros(20, 1, 16).bfloat16()
-    result = gpa._run(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
-                      is_seq_lens_cumsum=True)
+    result = gpa.run_with_result(key_cache, value_cache, block_tables, seq_lens, key, value,
+                                 seq_offset=seq_offset, is_seq_lens_cumsum=True)
     assert result.failed == []
     for out, cache in ((key, key_cache), (value, value_cache)):
         assert torch.equal(out[0:5], cache[0, 0:5])
@@ -399,7 +399,7 @@ def test_scatter_matches_reference_and_skips_padding(pypto_sim, slot_dtype):
                                           inputs["slot_mapping"])
     assert torch.equal(loop[0], ref_kc) and torch.equal(loop[1], ref_vc)
     before = inputs["key_cache"].clone()
-    result = spa._run(**inputs, goldens=(ref_kc, ref_vc))
+    result = spa.run_with_result(**inputs, goldens=(ref_kc, ref_vc))
     assert torch.equal(inputs["key_cache"], ref_kc) and torch.equal(inputs["value_cache"], ref_vc)
     written = (inputs["key_cache"] != before).flatten(2).any(-1).sum().item()
     assert 0 < written <= 6                                           # 6 real tokens, the rest untouched
@@ -513,7 +513,7 @@ def test_failed_verdict_raises_and_restores_cwd(pypto_sim, tmp_path, monkeypatch
     inputs = bench.make_gather_inputs(case)
     wrong = [g + 1 for g in gather_pa_kv_cache_oracle(**inputs)]
     with pytest.raises(sim.SimVerificationError, match=r"reported \d+ FAILED verdict"):
-        gpa._run(**inputs, goldens=wrong)
+        gpa.run_with_result(**inputs, goldens=wrong)
     assert Path.cwd() == tmp_path and list(tmp_path.iterdir()) == []
     result = sim.last_result()
     assert result.failed and result.work_dir is None
@@ -531,7 +531,7 @@ def test_missing_plog_is_an_error(pypto_sim, tmp_path, monkeypatch):
     case = bench.GatherCase("small", lengths=(2,), offsets=None, num_blocks=2, block_size=16,
                             key_hd=(1, 16), value_hd=(1, 16))
     with pytest.raises(RuntimeError, match="nothing was logged to this process's pypto plog"):
-        gpa._run(**bench.make_gather_inputs(case))
+        gpa.run_with_result(**bench.make_gather_inputs(case))
 
 
 @pytest.mark.pypto
@@ -543,7 +543,7 @@ def test_keep_output_keeps_the_working_directory(pypto_sim, monkeypatch):
     monkeypatch.setenv("MLA_OPS_PYPTO_KEEP_OUTPUT", "1")
     case = bench.GatherCase("small", lengths=(2,), offsets=None, num_blocks=2, block_size=16,
                             key_hd=(1, 16), value_hd=(1, 16))
-    result = gpa._run(**bench.make_gather_inputs(case))
+    result = gpa.run_with_result(**bench.make_gather_inputs(case))
     try:
         assert result.work_dir and list(Path(result.work_dir).glob("output/*/CostModelSimulationOutput"))
         assert (Path(result.work_dir) / "console.log").exists()

@@ -29,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import platform
 import threading
+import warnings
 from types import ModuleType
 from typing import Iterator, Optional
 
@@ -40,6 +42,8 @@ from . import Backend
 
 ISAS = ("avx512", "avx2", "default")
 ENV_ISA = "MLA_OPS_NATIVE_ISA"
+# set (not "0"): setup.py builds no native kernels, and `import mla_ops` does not warn that they are missing
+ENV_NO_NATIVE = "MLA_OPS_NO_NATIVE"
 # "0" turns off the AMX tile engine of the decode / sparse attention kernels (read on every call):
 # bf16 then runs on the AVX512-BF16 engine, e.g. to compare the two on one machine.
 ENV_AMX = "MLA_OPS_NATIVE_AMX"
@@ -90,8 +94,9 @@ def _import(isa: str) -> Optional[ModuleType]:
                 module = importlib.import_module(f"mla_ops._C_{isa}")
             except ImportError as exc:
                 _reasons[isa] = (
-                    f"mla_ops._C_{isa} is not built or cannot be imported ({exc}); reinstall with "
-                    f"`pip install --no-build-isolation -e .` on a machine with a C++ compiler"
+                    f"mla_ops._C_{isa} is not built or cannot be imported ({exc}); reinstall mla-ops in this "
+                    f"environment with `pip install --no-build-isolation .` (`-e .` for a development install), "
+                    f"with a C++ compiler"
                 )
         _modules[isa] = module
         return module
@@ -115,6 +120,18 @@ def unavailable_reason(isa: Optional[str] = None) -> Optional[str]:
     """Why `load(isa)` returns None, or None when the native kernels are usable."""
     isa = isa or requested_isa()
     return None if _import(isa) is not None else _reasons.get(isa, "unknown")
+
+
+def warn_if_unavailable() -> None:
+    """Warn on x86-64 when no native build loads (`import mla_ops` calls this once), unless
+    ``MLA_OPS_NO_NATIVE`` is set: the opt-out that setup.py honours too."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or os.environ.get(ENV_NO_NATIVE, "0") not in ("", "0"):
+        return
+    reason = unavailable_reason()
+    if reason is not None:
+        warnings.warn(f"mla-ops: the native CPU kernels are unavailable, so ops on CPU tensors run the reference "
+                      f"kernels (slower): {reason}. Set {ENV_NO_NATIVE}=1 to run on the reference kernels without "
+                      f"this warning.", RuntimeWarning, stacklevel=2)
 
 
 def isa() -> Optional[str]:

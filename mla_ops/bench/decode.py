@@ -19,9 +19,9 @@ import torch
 
 import mla_ops  # noqa: F401
 
-from ..integrations.transformers import apply
 from ..integrations.transformers.paged_attention import absorbed_decode_step
 from ..integrations.transformers.paged_cache import MLAPagedCache, cache_bytes_per_token_per_layer
+from ..integrations.transformers.patch import patch
 from ..models import build_model, family_attn_config, lite_attn_config
 from .timing import interleaved_medians, median_ratio
 
@@ -75,7 +75,7 @@ def measure_model_decode(contexts=CONTEXTS, *, dtype=torch.bfloat16, rounds=3, m
     config = family_attn_config(family, num_attention_heads=heads, num_key_value_heads=heads)
     stock = build_model(config, dtype, "sdpa", seed=seed)
     dense, paged = copy.deepcopy(stock), copy.deepcopy(stock)
-    handles = [apply(dense), apply(paged, cache="paged")]
+    handles = [patch(dense, cache="dense"), patch(paged, cache="paged")]
     g = torch.Generator().manual_seed(seed)
     heads = config.num_attention_heads
     rows = []

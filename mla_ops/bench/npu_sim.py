@@ -212,7 +212,7 @@ def measure_stage2(tokens: int, *, rope_layout="interleaved", dtype=torch.bfloat
     config = config or s2.DEFAULT_STAGE2_CONFIG
     dims = dict(num_heads=16, qk_nope_head_dim=128, v_head_dim=128)
     inputs = make_stage2_inputs(tokens, dtype=dtype)
-    outputs, res = s2._run(**inputs, **dims, rope_layout=rope_layout, config=config)
+    outputs, res = s2.run_with_result(**inputs, **dims, rope_layout=rope_layout, config=config)
     assert_stage2_close(outputs, stage2_reference(**inputs, **dims, rope_layout=rope_layout), inputs, **dims)
     return {"kernel": "kv_prolog_stage2", "case": f"v2lite_{rope_layout}", "config": config.name,
             "tokens": tokens, "dtype": _dtype_name(dtype), "aicore_us": round(res.aicore_us, 3),
@@ -228,7 +228,7 @@ def measure_gather(case: GatherCase, *, tile=None, dtype=torch.bfloat16) -> Dict
                                  inputs["seq_lens"], *golden, seq_offset=inputs["seq_offset"],
                                  is_seq_lens_cumsum=inputs["is_seq_lens_cumsum"])
     tile = tile or gpa.select_gather_tile_config(*case.key_hd, *case.value_hd)
-    res = gpa._run(**inputs, tile=tile)
+    res = gpa.run_with_result(**inputs, tile=tile)
     if not (torch.equal(inputs["key"], golden[0]) and torch.equal(inputs["value"], golden[1])):
         raise AssertionError(f"gather {case.name} [{tile.name}] differs from the golden")
     return {"kernel": "gather_pa_kv_cache", "case": case.name, "config": tile.name, "tokens": case.tokens,

@@ -23,7 +23,7 @@ Presets (`PRESETS`; options given explicitly override the preset's value):
     .venv-vllm/bin/mla-ops bench vllm --preset v2-lite-attention \\
         --json benchmarks/results/vllm_v2_lite_attention.json
     .venv-vllm/bin/mla-ops bench vllm                      # tiny
-    .venv-vllm/bin/python -m mla_ops.bench.vllm --preset v2-lite-attention --cases 4096x1,4096x8
+    .venv-vllm/bin/mla-ops bench vllm --preset v2-lite-attention --cases 4096x1,4096x8
 
 Families (`--family`): `deepseek_v2` (default) as above. `deepseek_v32`: the preset's model made a
 DeepSeek-V3.2 (DeepSeek Sparse Attention: DeepSeek-V3.2's lightning indexer, 64 heads x 128, top-k 2048
@@ -56,14 +56,13 @@ of the v2-lite-attention model takes ~40 s (a batch of 8 prompts ~5 min), the en
 
 Needs vLLM (`make test-vllm` builds `.venv-vllm`):
 
-    .venv-vllm/bin/python -m mla_ops.bench.vllm --json out.json
+    .venv-vllm/bin/mla-ops bench vllm --json out.json
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
-import sys
 import tempfile
 
 import torch
@@ -528,8 +527,8 @@ def run_preset(preset: str = "tiny", *, family: str = "deepseek_v2", model: str 
     """A preset (options not None override it) of a `family`, all of it: the engine rows of the cases that
     fit in memory (:func:`fitting_cases`; the others listed with the reason: for deepseek_v32 only the dense
     comparison leaves them out), the kernel-alone rows of every case, the settings, and the plugin's
-    default route on this machine. What `mla-ops bench vllm` and `python -m mla_ops.bench.vllm` run and
-    write as JSON."""
+    default route on this machine. What `mla-ops bench vllm` runs and writes
+    as JSON."""
     from mla_ops.integrations.vllm import routes
 
     settings = resolve_preset(preset, contexts=contexts, batch_sizes=batch_sizes, decode_tokens=decode_tokens,
@@ -593,14 +592,3 @@ def format_report(result: dict) -> str:
     parts.append("\nthe plugin's default on this machine (MLA_OPS_VLLM_ROUTE=auto):")
     parts += [f"  {line}" for line in result["default_routes"].values()]
     return "\n".join(parts)
-
-
-def main(argv=None) -> int:
-    """`python -m mla_ops.bench.vllm [options]`: `mla-ops bench vllm [options]` (the same parser)."""
-    from mla_ops.cli import main as cli_main
-
-    return cli_main(["bench", "vllm", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -49,7 +49,7 @@ def _print_mla_families() -> None:
         return
     from ..integrations.transformers import families
 
-    print("\ntransformers MLA families (apply(model) patches the supported ones)")
+    print("\ntransformers MLA families (mla_ops.patch(model) patches the supported ones)")
     for model_type in families.installed_mla_model_types():
         try:
             described = families.families_of(model_type)

@@ -269,14 +269,14 @@ def report_host_time(report: Report, device: torch.device) -> None:
 def check_generate(report: Report, device: torch.device) -> None:
     def one():
         from ..backends import npu
-        from ..integrations.transformers import apply
+        from ..integrations.transformers.patch import patch
         from .graph import compile_settings
         from .loading import builtin_model
 
         model, tokenizer = builtin_model(torch.bfloat16, device)
         ids = tokenizer("Hello", return_tensors="pt").input_ids.to(device)
         new = 8
-        with apply(model, kv_prolog=True):
+        with patch(model, kv_prolog=True, cache="dense"):
             if device.type == "npu":
                 npu.warmup(model)
             with torch.no_grad():

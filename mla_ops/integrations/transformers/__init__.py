@@ -1,13 +1,14 @@
 """transformers integration: route multi-head latent attention (DeepSeek-V2/V3, the MLA families
 built on them, and DeepSeek-V3.2 / GLM-5 sparse attention) through `torch.ops.mla`.
 
-    from mla_ops.integrations import transformers as mla_transformers
-    handle = mla_transformers.apply(model)                 # this model's attention layers only
-    handle = mla_transformers.apply(model, cache="paged")  # + paged latent cache, absorbed decode
-    handle.revert()                                        # the stock forwards again
+    import mla_ops
+    handle = mla_ops.patch(model)                  # paged latent cache, absorbed decode
+    handle = mla_ops.patch(model, cache="dense")   # full per-head K/V cache, as the original sample
+    handle.revert()                                # the stock forwards again
 
-Modules: `patch` (apply: what is patched, options), `families` (recognising MLA attention classes
-by structure, and how each family differs), `releases` (what changed between transformers
+`mla_ops.patch` is `patch.patch` (`apply` here is its deprecated name). Modules: `patch` (the `patch`
+function: what is patched, options), `families` (recognising MLA attention classes by structure, and
+how each family differs), `releases` (what changed between transformers
 releases), `forwards` (the installed forwards), `attention_parts` (pieces every mode and family
 shares), `paged_cache` (MLAPagedCache), `paged_attention` (the paged forward, absorbed decode),
 `indexer` (DeepSeek Sparse Attention's top-k on mla.lightning_indexer), `generation` (model-level

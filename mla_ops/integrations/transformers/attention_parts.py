@@ -24,7 +24,7 @@ class LayerPatch:
     """What one patched attention class or module needs (family and release are None for the hub code;
     `remote_rope_compute_dtype` is the hub code's stock rounding, found by running its RoPE at apply time)."""
 
-    options: "object"  # PatchOptions (defined with apply())
+    options: "object"  # PatchOptions (defined with patch())
     family: Optional[MlaFamily]
     release: Optional[Release]
     remote_rope_compute_dtype: str = "float32"

@@ -150,7 +150,7 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
     plan = cache.plan
     if plan is None:
         raise RuntimeError("MLAPagedCache has no plan for this forward: the model-level hook did not run "
-                           "(patch the model with apply(model, cache='paged'))")
+                           "(patch the model with mla_ops.patch(model), whose cache is 'paged')")
     batch, seq = hidden_states.shape[:-1]
     rot = rotary(attn, patch, inputs.position_embeddings, hidden_states)
     latent, k_pe = latent_prolog(attn, patch, hidden_states, rot)

@@ -1,4 +1,4 @@
-"""The paged MLA latent cache: a transformers `Cache` for `apply(model, cache="paged")`.
+"""The paged MLA latent cache: a transformers `Cache` for `mla_ops.patch(model)` (cache="paged").
 
 Per token and layer the cache keeps only what MLA needs: the RMS-normed latent [L] and the rotated
 k_pe [R] — 576 values, 1152 bytes in bf16 for DeepSeek-V2-Lite — in block pools
@@ -139,7 +139,7 @@ class MLAPagedLayer(CacheLayerMixin):
 def unsupported(what: str):
     raise NotImplementedError(
         f"MLAPagedCache does not support {what}: rows own their blocks and there is no copy-on-write for "
-        f"shared prefixes. Use greedy or sampling generation, or apply(model, cache='dense') for beam search "
+        f"shared prefixes. Use greedy or sampling generation, or mla_ops.patch(model, cache='dense') for beam search "
         f"and assisted decoding.")
 
 

@@ -1,12 +1,13 @@
-"""Route a transformers MLA model's attention through `torch.ops.mla`, and back.
+"""Route a transformers MLA model's attention through `torch.ops.mla`, and back: `patch` (which is
+`mla_ops.patch`; its docstring documents every option).
 
-    from mla_ops.integrations import transformers as mla_transformers
-    handle = mla_transformers.apply(model)            # this model's attention layers only
-    ...                                               # same tokens, through mla.kv_prolog
+    import mla_ops
+    handle = mla_ops.patch(model)                     # this model's attention layers, latent paged cache
+    ...                                               # same tokens, through the mla ops
     handle.revert()                                   # the stock forwards again
 
-    with mla_transformers.apply(family="deepseek_v3", rms_norm=True):   # class level: models built
-        model = DeepseekV3ForCausalLM(config)                           # inside use the ops
+    with mla_ops.patch(family="deepseek_v3", rms_norm=True):   # class level: models built inside use
+        model = DeepseekV3ForCausalLM(config)                  # the ops
 
 Targets:
 * transformers' own MLA attention classes (DeepSeek-V2, DeepSeek-V3 and the families built on its
@@ -15,31 +16,20 @@ Targets:
   layers: the top-k through `mla.lightning_indexer`, the paged decode through
   `mla.sparse_mla_attention`, see `indexer`); other indexers and forwards doing something the
   patch does not reproduce are refused with the reason (an indexer is also run once on a random
-  input at apply time, to check it picks what DeepSeek-V3.2's does);
+  input at patch time, to check it picks what DeepSeek-V3.2's does);
 * the hub remote code's `DeepseekV2Attention` of `modeling_deepseek.py` (trust_remote_code), found on
-  the model instance, on whatever transformers runs it (`remote_code`).
-
-Options (each routes one piece; the rest stays stock):
-* `kv_prolog` — the KV path (kv_a -> split -> RMSNorm -> kv_b -> split -> RoPE) is one
-  `mla.kv_prolog` call on the new tokens, and the full per-head K/V is cached ("dense" cache).
-* `q_prolog` — the query path (q_a -> RMSNorm -> q_b, or q_proj -> split -> RoPE) is one `mla.q_prolog`.
-* `rope` — `q_pe` is rotated with `mla.rope` (and `k_pe` too when `kv_prolog=False`).
-* `rms_norm` — the family's RMSNorm modules go through `mla.rms_norm`.
-* `cache` — `"dense"` (above) or `"paged"`: the MLA latent cache (see `paged_cache` and `paged_attention`).
-* `rope_compute_dtype` — where the ops round the rotation of q_pe / k_pe: `"stock"` (default) as the
-  model's own forward does, so a bf16 / fp16 model gives stock's logits bit for bit (DeepSeek-V2's
-  complex multiplication in fp32; DeepSeek-V3, the families built on its forward and the hub remote code
-  in the model's dtype); `"float32"` rotates in fp32 and rounds once, the more accurate rotation.
+  the model instance, on whatever transformers runs it (`remote_code`; dense cache only).
 
 cos/sin always come from the model's own rotary embedding (YaRN scaling included), never recomputed.
-Memory trade-off of the dense cache: per token and layer it holds N*(P+R) + N*V values (V2-Lite:
-16*192 + 16*128 = 5120, 10240 B in bf16) against the latent cache's L+R = 576 (1152 B); the paged
-mode keeps the latent.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import types
+import typing
+import warnings
 import weakref
 from typing import Optional
 
@@ -63,32 +53,74 @@ DEFAULT_FAMILY = "deepseek_v2"  # the class-level patch's family when none is na
 
 @dataclasses.dataclass(frozen=True)
 class PatchOptions:
+    """The options of `patch` and their defaults (this class is their one home; `patch` documents them).
+    Raises ValueError, naming the option, for a value or a combination `patch` cannot apply."""
+
     kv_prolog: bool = True
     rms_norm: bool = False
     rope: bool = False
-    cache: str = "dense"
+    cache: str = "paged"
     q_prolog: bool = False
     rope_compute_dtype: str = "stock"
 
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if typing.get_type_hints(PatchOptions)[field.name] is bool and not isinstance(value, bool):
+                raise TypeError(f"{field.name} must be True or False, got {value!r}")
+        if not (self.kv_prolog or self.rope or self.rms_norm or self.q_prolog):
+            raise ValueError("nothing to patch: kv_prolog, q_prolog, rope and rms_norm are all False; enable one")
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        if self.cache == "paged" and not self.kv_prolog:
+            raise ValueError("cache='paged' needs kv_prolog=True (the latent prolog feeds the paged cache); with "
+                             "kv_prolog=False pass cache='dense' (the model's own cache)")
+        if self.rope_compute_dtype not in PATCH_ROPE_COMPUTE_DTYPES:
+            raise ValueError(f"rope_compute_dtype must be one of {PATCH_ROPE_COMPUTE_DTYPES} (\"stock\": round RoPE "
+                             f"as the model's own forward does; \"float32\": rotate in fp32), got "
+                             f"{self.rope_compute_dtype!r}")
 
-def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rms_norm: bool = False,
-          rope: bool = False, cache: str = "dense", q_prolog: bool = False,
-          family: Optional[str] = None, rope_compute_dtype: str = "stock") -> PatchHandle:
+    @classmethod
+    def from_keywords(cls, options: dict) -> "PatchOptions":
+        """The options given to `patch` by keyword; an unknown name is a TypeError that names it."""
+        known = [field.name for field in dataclasses.fields(cls)]
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known + ["family"], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"patch() got an unknown option {name!r}{hint}; its options are model, family, "
+                                f"{', '.join(known)}")
+        return cls(**options)
+
+
+def patch(model: Optional[torch.nn.Module] = None, *, family: Optional[str] = None, **options) -> PatchHandle:
     """Patch a model's MLA attention (and optionally its RMSNorms / RoPE) onto `torch.ops.mla`.
+
+    Each option routes one piece through the ops; the rest stays stock. The defaults are `PatchOptions`'
+    (the signature shows them).
 
     Args:
         model: a loaded model: patch this instance's modules only (any supported MLA family, or the
             hub remote code). None: patch the classes of `family`, so models built afterwards use the ops.
-        kv_prolog: KV path through `mla.kv_prolog` (dense cache) — see the module docstring.
-        rms_norm: the family's RMSNorms through `mla.rms_norm`.
-        rope: q_pe (and k_pe without kv_prolog) through `mla.rope`.
-        cache: "dense" or "paged" (latent paged cache + absorbed decode; transformers' own classes only).
-        q_prolog: the query path through `mla.q_prolog`.
         family: class level only: the transformers model_type whose classes to patch (default
             "deepseek_v2"; `mla-ops info` lists the installed MLA families).
+        kv_prolog: the KV path (kv_a -> split -> RMSNorm -> kv_b -> split -> RoPE) in one `mla.kv_prolog`
+            call on the new tokens (`mla.latent_kv_prolog` with cache="paged").
+        rms_norm: the family's RMSNorm modules through `mla.rms_norm`.
+        rope: q_pe (and k_pe with kv_prolog=False) rotated with `mla.rope`.
+        cache: "paged": the MLA latent cache, kv_lora_rank + rope dims per token and layer (V2-Lite:
+            512 + 64 = 576 values, 1152 B in bf16), in blocks, decoded by the absorbed attention
+            (`mla.mla_decode_attention`; `mla.sparse_mla_attention` under DeepSeek Sparse Attention); needs
+            kv_prolog=True and transformers' own MLA classes on a release `releases` marks paged
+            (`releases.PAGED_SINCE` on); no beam search. "dense": transformers' cache holds the full
+            per-head K/V, N*(P+R) + N*V values per token and layer (V2-Lite: 16*192 + 16*128 = 5120,
+            10240 B in bf16); every target, the hub remote code included; with kv_prolog=False, the
+            model's own cache.
+        q_prolog: the query path (q_a -> RMSNorm -> q_b, or q_proj -> split -> RoPE) in one `mla.q_prolog`
+            call.
         rope_compute_dtype: where the ops round the RoPE they compute (k_pe in the prologs, q_pe with
             rope=True, q_prolog=True or cache="paged"; with rope=False the dense mode leaves q_pe to the
-            stock function). "stock" (default): as the model's own forward, read off its RoPE function
+            stock function). "stock": as the model's own forward, read off its RoPE function
             (DeepSeek-V2: fp32 complex multiplication; DeepSeek-V3, its family and the hub remote code:
             in the model's dtype), so fp16 / bf16 models give stock's logits bit for bit. "float32":
             rotate in fp32 and round once (more accurate in fp16 / bf16, no longer bit-identical to a
@@ -98,8 +130,12 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
             formula by an ulp in rows of fewer than 8 rotation pairs, where ATen's complex multiply fuses).
     Returns:
         A PatchHandle: `handle.revert()` (or leaving a `with` block) restores the stock forwards.
-        Applying again to the same model (or to the classes) first reverts the previous patch there:
-        the newest options win.
+        Patching the same model (or the classes) again first reverts the previous patch there: the
+        newest options win.
+    Raises:
+        TypeError: an unknown option, or a model that is not a torch.nn.Module.
+        ValueError / NotImplementedError: options or a model the patch cannot apply, with the reason;
+            nothing is patched then.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a loaded MLA model), or None to patch the classes; "
@@ -107,30 +143,43 @@ def apply(model: Optional[torch.nn.Module] = None, *, kv_prolog: bool = True, rm
     if model is not None and family is not None:
         raise ValueError("family= names the classes to patch when model is None; with a model, the patch finds "
                          "its families itself: drop family=")
-    if not (kv_prolog or rope or rms_norm or q_prolog):
-        raise ValueError("nothing to patch: kv_prolog, q_prolog, rope and rms_norm are all False; enable one")
-    if cache not in CACHE_MODES:
-        raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
-    if cache == "paged" and not kv_prolog:
-        raise ValueError("cache='paged' needs kv_prolog=True (the latent prolog feeds the paged cache)")
-    if rope_compute_dtype not in PATCH_ROPE_COMPUTE_DTYPES:
-        raise ValueError(f"rope_compute_dtype must be one of {PATCH_ROPE_COMPUTE_DTYPES} (\"stock\": round RoPE "
-                         f"as the model's own forward does; \"float32\": rotate in fp32), got {rope_compute_dtype!r}")
-    options = PatchOptions(kv_prolog=kv_prolog, rms_norm=rms_norm, rope=rope, cache=cache, q_prolog=q_prolog,
-                           rope_compute_dtype=rope_compute_dtype)
+    resolved = PatchOptions.from_keywords(options)
     # Everything that can refuse this model is checked before the previous patch is touched.
     if model is None:
-        targets = _class_targets(family or DEFAULT_FAMILY, options)
+        targets = _class_targets(family or DEFAULT_FAMILY, resolved)
     else:
-        targets = _instance_targets(model, options)
+        targets = _instance_targets(model, resolved)
     scope = "classes" if model is None else weakref.ref(model)
-    handle = open_handle(options, scope, derived=(ABSORBED_ATTRIBUTE,))
+    handle = open_handle(resolved, scope, derived=(ABSORBED_ATTRIBUTE,))
     try:
         _patch(handle, model, targets)
     except BaseException:
         handle.revert()
         raise
     return handle
+
+
+# The signature help() and editors show: the options with PatchOptions' defaults.
+patch.__signature__ = inspect.Signature(
+    [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                       annotation=Optional[torch.nn.Module]),
+     inspect.Parameter("family", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Optional[str])]
+    + [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                         annotation=typing.get_type_hints(PatchOptions)[field.name])
+       for field in dataclasses.fields(PatchOptions)],
+    return_annotation=PatchHandle)
+
+
+def deprecation_message(former_name: str) -> str:
+    """What a former name of `patch` warns (DeprecationWarning)."""
+    return (f"{former_name} is deprecated: use mla_ops.patch (the same options; cache defaults to "
+            f"{PatchOptions.cache!r}, pass cache='dense' for transformers' cache of the per-head K/V)")
+
+
+def apply(model: Optional[torch.nn.Module] = None, **options) -> PatchHandle:
+    """Deprecated name of `patch` (`mla_ops.patch`): the same options and defaults."""
+    warnings.warn(deprecation_message("mla_ops.integrations.transformers.apply"), DeprecationWarning, stacklevel=2)
+    return patch(model, **options)
 
 
 @dataclasses.dataclass
@@ -188,7 +237,7 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
         if is_remote_attention(module):
             if options.cache == "paged":
                 raise NotImplementedError("cache='paged' supports transformers' own MLA attention classes only; "
-                                          "this model uses the hub remote code")
+                                          "this model uses the hub remote code: pass cache='dense'")
             if patch_attention and (not options.kv_prolog or options.q_prolog):
                 raise ValueError("the hub remote-code attention is routed through mla.kv_prolog: use "
                                  "kv_prolog=True and q_prolog=False (rope=True and rms_norm=True can be added)")

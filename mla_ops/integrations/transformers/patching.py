@@ -1,4 +1,4 @@
-"""Reversible attribute patches: what every `apply()` records, and how it is undone.
+"""Reversible attribute patches: what every `patch()` records, and how it is undone.
 
 A `PatchHandle` remembers each attribute it replaced (on a class, or in one module instance's
 `__dict__`) and restores exactly the previous objects on `revert()`. One handle is active per
@@ -12,7 +12,7 @@ handle's functions, which no handle of the copy records (so nothing could revert
 pickle cannot even rebuild. Every object given an instance patch therefore also gets a
 `__getstate__` in its `__dict__` that returns its state as it was before the patch (the patched
 entries restored or removed, attributes the patched code derives, such as absorbed weight copies,
-dropped). A copy or a loaded model is a plain stock model; apply() to it patches it like any other.
+dropped). A copy or a loaded model is a plain stock model; patch() patches it like any other.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Callable
 
 
 class PatchHandle:
-    """Undoes what one `apply()` did; also a context manager. Reverting twice is harmless.
+    """Undoes what one `patch()` did; also a context manager. Reverting twice is harmless.
 
     One handle is active per scope (the classes, or one model): applying again to the same scope
     first reverts the previous handle, so the newest options win and nothing stacks. Models are
@@ -154,7 +154,7 @@ def stock_attr(obj, name: str):
 
 
 def revert() -> None:
-    """Undo every patch applied through `apply()` that is still active (newest first)."""
+    """Undo every patch applied through `patch()` that is still active (newest first)."""
     for handle in reversed(list(_ACTIVE)):
         handle.revert()
 

@@ -76,7 +76,7 @@ def remote_attention_forward(self, hidden_states, attention_mask=None, position_
     remote code's `apply_rotary_pos_emb` leaves it, so the cached keys are the ones it would cache, and
     rotated with the rounding the patch chose (by default the remote code's own: in the model's dtype)."""
     patch = layer_patch(self)
-    opts = patch.options  # kv_prolog=True and cache="dense": apply() refuses the rest for remote code
+    opts = patch.options  # kv_prolog=True and cache="dense": patch() refuses the rest for remote code
     batch, seq, _ = hidden_states.shape
     q_nope, q_pe = split_query(self, hidden_states)
     kv_seq_len = seq + _past_length(past_key_value, self.layer_idx, seq)

@@ -50,22 +50,20 @@ class HostKernel:
     engine: Optional[str] = None
 
 
-# Ratios are host time / mla-ops time (above 1: mla-ops faster), bf16, V2-Lite attention dims (16 heads,
-# latent 512 + rope 64), same cache memory, measured side by side in one run; README "Inside vLLM".
+# `measured` says where the comparison behind `faster` is recorded; the numbers themselves live in the
+# result files that docs/performance.md renders (bf16 and fp32, V2-Lite attention dims: 16 heads,
+# latent 512 + rope 64, the same cache memory, side by side in one run).
 HOST_KERNELS: dict[str, HostKernel] = {row.backend: row for row in (
     HostKernel(
         "CPU_MLA", "torch.ops._C.mla_decode_kvcache (vllm csrc/cpu/mla_decode.cpp)", "cpu", "cpu_native", True,
-        "cpu_native decode 1.4-3.0x the speed of vLLM's CPU_MLA kernel at 4k context, B=1 and 8, bf16 and fp32, "
-        "AVX2 and AVX-512 builds, on an AVX-512 CPU (1.2-2.1x with the earlier kernel, also on an AMX CPU; "
-        "`mla-ops bench ops --against vllm`); 1.7x stock tokens/s in the engine at V2-Lite attention dims, 4k "
-        "context (`mla-ops bench vllm --preset v2-lite-attention`)"),
+        "cpu_native decode measured faster than vLLM's CPU_MLA kernel on AVX2-only and AVX-512 CPUs, and "
+        "faster in the engine (docs/performance.md: `mla-ops bench ops --against vllm`, "
+        "`mla-ops bench vllm --preset v2-lite-attention`)"),
     HostKernel(
         "AMX_MLA", "torch.ops._C.decode_attention_cpu (SGLang's AMX decode, vllm csrc/cpu/sgl-kernels)", "cpu",
         "cpu_native", True,
-        "cpu_native decode on its AMX engine 1.2-2.8x the speed of vLLM's AMX_MLA kernel at 512-16k context "
-        "(2.4x / 2.1x at 4k, B=1 / B=8), bf16, block 64, on an AMX CPU (amx_bf16 amx_tile avx2 avx512_bf16 "
-        "avx512f; `python -m mla_ops.bench.native`); 1.33x stock tokens/s in the engine at V2-Lite attention "
-        "dims, 4k context (`mla-ops bench vllm --preset v2-lite-attention --cases 4096x1`)",
+        "cpu_native decode on its AMX engine measured faster than vLLM's AMX_MLA kernel on an AMX CPU "
+        "(docs/performance.md: `python -m mla_ops.bench.native`)",
         engine="amx"),
     HostKernel(
         "ASCEND_MLA", "torch_npu.npu_fused_infer_attention_score_v2 (vllm-ascend attention/mla_v1.py)", "npu",

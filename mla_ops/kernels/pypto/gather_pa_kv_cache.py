@@ -250,9 +250,9 @@ def _cumsum_with_zero(lengths: torch.Tensor) -> torch.Tensor:
     return cu
 
 
-def _run(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
-         is_seq_lens_cumsum: bool = False, mode: str = "sim", tile: Optional[GatherTileConfig] = None,
-         goldens: Optional[Sequence[torch.Tensor]] = None) -> Optional[runtime.SimResult]:
+def run_with_result(key_cache, value_cache, block_tables, seq_lens, key, value, *, seq_offset=None,
+                    is_seq_lens_cumsum: bool = False, mode: str = "sim", tile: Optional[GatherTileConfig] = None,
+                    goldens: Optional[Sequence[torch.Tensor]] = None) -> Optional[runtime.SimResult]:
     """:func:`gather_pa_kv_cache` returning the SimResult (mode="sim"); ``tile`` overrides the
     automatic tile choice; ``goldens`` = optional (key, value) expected after the call."""
     check_gather_pa_kv_cache_args(key_cache, value_cache, block_tables, seq_lens, key, value,
@@ -305,5 +305,5 @@ def gather_pa_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, block
     Raises:
         ValueError: unsupported inputs (see :func:`gather_pa_kv_cache_not_supported_reasons`).
     """
-    _run(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
-         is_seq_lens_cumsum=is_seq_lens_cumsum, mode=mode)
+    run_with_result(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset=seq_offset,
+                    is_seq_lens_cumsum=is_seq_lens_cumsum, mode=mode)

@@ -348,10 +348,10 @@ def _kernel_args(normed_ckv, k_pe, kv_b_weight, cos, sin, k_nope, value, k_pe_ro
     return args, pe_view
 
 
-def _run(normed_ckv, k_pe, kv_b_weight, cos, sin, *, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
-         rope_layout: str = "interleaved", mode: str = "sim", config: Stage2Config = DEFAULT_STAGE2_CONFIG,
-         goldens: Optional[Sequence[torch.Tensor]] = None
-         ) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[runtime.SimResult]]:
+def run_with_result(normed_ckv, k_pe, kv_b_weight, cos, sin, *, num_heads: int, qk_nope_head_dim: int,
+                    v_head_dim: int, rope_layout: str = "interleaved", mode: str = "sim",
+                    config: Stage2Config = DEFAULT_STAGE2_CONFIG, goldens: Optional[Sequence[torch.Tensor]] = None
+                    ) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[runtime.SimResult]]:
     """:func:`kv_prolog_stage2` plus the SimResult (mode="sim"); ``goldens`` = optional
     (k_nope [T,N,P], value [T,N,V], k_pe_rot [T,R]) compared by pypto's verifier (tensor_graph)."""
     reasons = kv_prolog_stage2_not_supported_reasons(
@@ -402,7 +402,7 @@ def kv_prolog_stage2(normed_ckv: torch.Tensor, k_pe: torch.Tensor, kv_b_weight: 
     Raises:
         ValueError: unsupported inputs (see :func:`kv_prolog_stage2_not_supported_reasons`).
     """
-    outputs, _ = _run(normed_ckv, k_pe, kv_b_weight, cos, sin, num_heads=num_heads,
-                      qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
-                      rope_layout=rope_layout, mode=mode)
+    outputs, _ = run_with_result(normed_ckv, k_pe, kv_b_weight, cos, sin, num_heads=num_heads,
+                                 qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
+                                 rope_layout=rope_layout, mode=mode)
     return outputs

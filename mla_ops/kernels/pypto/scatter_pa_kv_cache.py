@@ -83,8 +83,8 @@ def _build_kernel(key_hd: Tuple[int, int], value_hd: Tuple[int, int], dtype: tor
     return scatter_pa_kv_cache_kernel
 
 
-def _run(key, value, key_cache, value_cache, slot_mapping, *, mode: str = "sim",
-         goldens: Optional[Sequence[torch.Tensor]] = None) -> Optional[runtime.SimResult]:
+def run_with_result(key, value, key_cache, value_cache, slot_mapping, *, mode: str = "sim",
+                    goldens: Optional[Sequence[torch.Tensor]] = None) -> Optional[runtime.SimResult]:
     """:func:`scatter_pa_kv_cache` returning the SimResult (mode="sim"); ``goldens`` = optional
     (key_cache, value_cache) expected after the call."""
     check_scatter_pa_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)
@@ -120,4 +120,4 @@ def scatter_pa_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch
     Raises:
         ValueError: unsupported inputs (see :func:`scatter_pa_kv_cache_not_supported_reasons`).
     """
-    _run(key, value, key_cache, value_cache, slot_mapping, mode=mode)
+    run_with_result(key, value, key_cache, value_cache, slot_mapping, mode=mode)
