@@ -2,16 +2,15 @@
 cache="paged" side by side (same tokens, different cache memory), then torch.export one KV prolog.
 
 Run: .venv/bin/python examples/patch_and_generate.py
-Uses the built-in model (V2-Lite attention dims, random weights), fp32 so greedy tokens are exact.
+Uses the built-in timing model (V2-Lite attention dims, random weights), fp32 so greedy tokens are exact.
 """
 import torch
 
-import mla_ops  # noqa: F401  (registers torch.ops.mla)
-from mla_ops.cli.loading import builtin_model
-from mla_ops.integrations import transformers as mla_transformers
+import mla_ops
+from mla_ops.cli.loading import lite_dims_model
 from mla_ops.integrations.transformers import cache_bytes_per_token_per_layer
 
-model, tokenizer = builtin_model(torch.float32, torch.device("cpu"))
+model, tokenizer = lite_dims_model(torch.float32, torch.device("cpu"))
 prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is multi-head latent attention?"}],
                                        add_generation_prompt=True, tokenize=False)
 ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
@@ -22,7 +21,7 @@ with torch.no_grad():
     stock = model.generate(ids, **settings)
     results = {"stock": stock}
     for mode in ("dense", "paged"):
-        with mla_transformers.apply(model, cache=mode):
+        with mla_ops.patch(model, cache=mode):
             results[mode] = model.generate(ids, **settings)
 
 tokens = ids.shape[1] + 23  # the last generated token is not cached yet

@@ -27,7 +27,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def corpus():
+def named_docstrings():
+    """(module name, attribute name or None for the module's own docstring, object, docstring) for every
+    public standard-library module on sys.path that imports here, modules and attributes in sorted order."""
     names = sorted(m.name for m in pkgutil.iter_modules() if m.name in sys.stdlib_module_names
                    and not m.name.startswith("_"))
     for name in names:
@@ -36,11 +38,18 @@ def corpus():
         except Exception:
             continue
         if module.__doc__:
-            yield module.__doc__
+            yield name, None, module, module.__doc__
         for attr in sorted(vars(module)):
-            doc = getattr(getattr(module, attr, None), "__doc__", None)
+            obj = getattr(module, attr, None)
+            doc = getattr(obj, "__doc__", None)
             if isinstance(doc, str):
-                yield doc
+                yield name, attr, obj, doc
+
+
+def corpus():
+    """The tokenizer's training text: every docstring of named_docstrings()."""
+    for *_, doc in named_docstrings():
+        yield doc
 
 
 def main():

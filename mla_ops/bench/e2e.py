@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..integrations.transformers import apply
+from ..integrations.transformers.patch import patch
 from .timing import CLOCKS, compare, format_table, median_interval, synchronize
 
 PROMPT_LENGTHS = (32, 512, 2048)
@@ -50,14 +50,14 @@ def measure(model, tokenizer, *, prompt_lengths=PROMPT_LENGTHS, output_lengths=O
     """Rows per (prompt length, output length): `repeats` ABBA blocks (each variant timed twice per
     block), the variants' median times, the speedup with its interval, and the verdict. `clock` is a
     key of `timing.CLOCKS` ("cpu" for a machine other jobs share; with one torch thread)."""
-    fused = fused or {"kv_prolog": True}
+    fused = fused or {"kv_prolog": True, "cache": "dense"}  # the original comparison
     timer = CLOCKS[clock]
     device = next(model.parameters()).device
     rows = []
     extra = dict(generate_kwargs or {})
 
     def run(ids, new_tokens, patched: bool) -> float:
-        handle = apply(model, **fused) if patched else None
+        handle = patch(model, **fused) if patched else None
         try:
             with torch.no_grad():
                 start = timer()

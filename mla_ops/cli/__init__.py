@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from .runtime import CliError
 
 EPILOG = """examples:
-  mla-ops ask                                   # built-in model (random weights), stock transformers
+  mla-ops ask                                   # built-in model (docs/builtin-model.md), stock transformers
   mla-ops ask --use_kv_fusion --prompt "Hi"     # KV prolog through torch.ops.mla.kv_prolog
   mla-ops ask --use_kv_fusion --cache paged     # paged latent cache + absorbed decode
   MODEL_PATH=/models/DeepSeek-V2-Lite-Chat mla-ops ask --device 0 --use_kv_fusion --use_acl_graph

@@ -20,7 +20,7 @@ import torch
 
 from .runtime import CliError, PeakMemory, check_writable, first_line, offline_environment, resolve_device, timed
 
-DEFAULT_PROMPT = "Introduce the Python programming language in a few sentences."
+DEFAULT_PROMPT = "What is the Python module collections for?"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--sentence_file", help="read the prompt from this text file (its lines joined with newlines)")
     src.add_argument("--model-path", "--model_path", dest="model_path", default=os.environ.get("MODEL_PATH"),
                      help="local checkpoint directory (config.json, *.safetensors, tokenizer files); defaults to "
-                          "$MODEL_PATH; without either, a built-in small DeepSeek-V2 with random weights is used")
+                          "$MODEL_PATH; without either, the built-in model answers: a 3.4M-parameter DeepSeek-V2 "
+                          "trained on Python's standard-library docstrings")
     src.add_argument("--device", default="cpu",
                      help="cpu, or an accelerator index as in the original script (0, 1, ...: an Ascend NPU "
                           "with torch_npu, else a CUDA GPU), or npu:N / cuda:N (default: cpu)")
@@ -50,12 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--output_length", "--output-length", dest="output_length", type=int, default=100,
                      help="maximum new tokens (default: 100)")
     gen.add_argument("--min-output-length", type=int, default=None,
-                     help="force at least this many new tokens (default: none; the built-in model's random "
-                          "weights may stop early on its end token)")
+                     help="force at least this many new tokens (default: none: the answer ends at the model's end "
+                          "token)")
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed the prompt as plain text even when the tokenizer has a chat template")
     gen.add_argument("--no-stream", action="store_true", help="do not print tokens while they are generated")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights (default: 0)")
     ops = parser.add_argument_group("mla ops (the original flags)")
     ops.add_argument("--use_pto", "--use-pto", dest="use_pto", action="store_true",
                      help="route every DeepseekV2RMSNorm (input, post-attention, final and kv_a norms) through "
@@ -173,13 +173,14 @@ def run(args) -> dict:
 
     if loading.runs_remote_code(args.model_path, args.trust_remote_code):
         _check_remote_code_flags(args)
-    from ..integrations.transformers import apply, remote_code
+    from ..integrations.transformers import remote_code
+    from ..integrations.transformers.patch import patch
 
     memory = PeakMemory(device)
     memory.reset()
     with timed(device) as load_time:
         loaded = loading.load(args.model_path, args.dtype, device, trust_remote_code=args.trust_remote_code,
-                              allow_pickle=args.allow_pickle, attn=args.attn, seed=args.seed, progress=say)
+                              allow_pickle=args.allow_pickle, attn=args.attn, builtin="chat", progress=say)
     load_peak = memory.peak_mb()
     for note in loaded.notes:
         say(f"NOTE: {note}")
@@ -191,8 +192,8 @@ def run(args) -> dict:
     handle = None
     if args.use_kv_fusion or args.use_pto or args.use_rope:
         try:
-            handle = apply(model, **options)
-        except (ValueError, NotImplementedError) as exc:  # a model these flags cannot patch: apply says why
+            handle = patch(model, **options)
+        except (ValueError, NotImplementedError) as exc:  # a model these flags cannot patch: patch says why
             raise CliError(f"the mla flags cannot patch this model: {exc}") from None
         say(f"routed through torch.ops.mla: {', '.join(_routed_ops(options))}"
             + (f" (cache={options['cache']})" if args.use_kv_fusion else ""))
@@ -281,7 +282,7 @@ def run(args) -> dict:
         "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
                      "mla_ops": _version("mla-ops"), "python": platform.python_version()},
     }
-    if args.quiet:
+    if args.quiet or args.no_stream:  # the streamer printed nothing
         print(answer)
     print()
     _print_metrics(report)

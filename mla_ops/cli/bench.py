@@ -26,9 +26,7 @@ class Benchmark(NamedTuple):
 # ---------------------------------------------------------------------------------------------- e2e
 # --quick per cache mode: (prompt lengths, output lengths). dense: the original comparison's short
 # end, where the fused path does not win at 32 tokens and does at 512; paged: one long context, where
-# decoding from the latent cache with mla.mla_decode_attention is clearly faster than stock's cache
-# (1.34x on a 2-core CPU, one thread), at a cost that keeps `make demo`'s two benchmarks near two
-# minutes (about 85 s and 50 s there).
+# decoding from the latent cache with mla.mla_decode_attention is clearly faster than stock's cache.
 QUICK_E2E = {"dense": ([32, 512], [10, 20]), "paged": ([1024], [16])}
 
 
@@ -402,6 +400,16 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
+def run_metadata(torch_version: str, threads: int, command: str) -> dict:
+    """What every result file's `meta` records, so a number can be traced and rerun: torch, the thread
+    count, the command, the commit of the checkout it ran from (`-dirty` with local changes; None
+    outside a git checkout) and the CPU's SIMD/matrix flags."""
+    from ..bench.timing import cpu_flags, source_commit
+
+    return {"torch": torch_version, "threads": threads, "command": command, "commit": source_commit(),
+            "cpu_flags": cpu_flags()}
+
+
 def run(args) -> None:
     import torch
 
@@ -411,7 +419,7 @@ def run(args) -> None:
     check_writable("--json", args.json_path)
     if getattr(args, "plot", None):
         check_writable("--plot", args.plot)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "command": command_line(args)}
+    meta = run_metadata(torch.__version__, torch.get_num_threads(), command_line(args))
     payload = BENCHMARKS[args.kind].run(args, meta)
     payload["meta"] = portable(payload["meta"])
     target = pathlib.Path(args.json_path)

@@ -1,9 +1,13 @@
-"""Model and tokenizer loading for the command line: a local checkpoint, or the built-in model.
+"""Model and tokenizer loading for the command line: a local checkpoint, or one of two built-in models.
+Both are transformers' DeepSeek-V2 with the committed offline 1024-token tokenizer (assets/builtin_tokenizer):
 
-The built-in model is DeepSeek-V2 with V2-Lite's attention dimensions (hidden 2048, 16 heads,
-kv_lora_rank 512, rope 64, nope 128, v 128, YaRN), 2 layers (one dense, one MoE with 8 small
-experts), a 1024-token vocabulary and seeded random weights, with a committed offline tokenizer.
-Everything about running it is real; the text it writes is noise, because the weights are random.
+- `builtin_model()`, the chat model `mla-ops ask` answers with: 3.4M parameters (hidden 256, 4 layers,
+  4 heads; MLA with kv_lora_rank 64, rope 16, nope 32, v 32) trained on questions and answers built from
+  Python's standard-library docstrings (tools/train_builtin_model.py, docs/builtin-model.md), committed in
+  assets/builtin_model. Its answers read as English about Python and are often wrong.
+- `lite_dims_model()`, the model the benchmarks time: V2-Lite's attention dimensions (hidden 2048,
+  16 heads, kv_lora_rank 512, rope 64, nope 128, v 128, YaRN), 2 layers (one dense, one MoE with 8 small
+  experts) and seeded random weights. Its timings, memory and op paths are real; its text is noise.
 
 A checkpoint that ships its own code (config.json `auto_map`, DeepSeek-V2-Lite's modeling_deepseek.py)
 runs that code with --trust-remote-code. The hub DeepSeek-V2 code is written for transformers 4.x (tested
@@ -24,6 +28,10 @@ from .._optional import has_module
 from .runtime import CliError, first_line, resolve_dtype
 
 BUILTIN_TOKENIZER = pathlib.Path(__file__).resolve().parents[1] / "assets" / "builtin_tokenizer"
+BUILTIN_MODEL = pathlib.Path(__file__).resolve().parents[1] / "assets" / "builtin_model"
+BUILTIN_MODEL_DESCRIPTION = ("built-in model: a 3.4M-parameter DeepSeek-V2-architecture (MLA) model trained on "
+                             "Python's docstrings; its answers are short and often wrong; pass --model-path for a "
+                             "real checkpoint")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 DEEPSEEK_V2_TYPES = ("deepseek_v2",)  # the native model's and the hub remote code's config
@@ -65,8 +73,27 @@ def builtin_tokenizer():
     return AutoTokenizer.from_pretrained(BUILTIN_TOKENIZER, local_files_only=True)
 
 
-def builtin_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sdpa", seed: int = 0, layers: int = 2):
-    """The built-in DeepSeek-V2 (V2-Lite attention dims, random weights) sized to the built-in tokenizer."""
+def builtin_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sdpa"):
+    """The built-in chat model (trained weights from assets/builtin_model, in `dtype` on `device`, eval
+    mode) and the built-in tokenizer."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from ..models import build_model
+
+    tokenizer = builtin_tokenizer()
+    config = AutoConfig.from_pretrained(BUILTIN_MODEL, local_files_only=True)
+    model = build_model(config, dtype, attn)
+    model.load_state_dict(load_file(BUILTIN_MODEL / "model.safetensors"), strict=True)  # every tensor, no other
+    model = model.to(device)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def lite_dims_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sdpa", seed: int = 0,
+                    layers: int = 2):
+    """The timing model: DeepSeek-V2 with V2-Lite's attention dims and seeded random weights, sized to
+    the built-in tokenizer."""
     from ..models import build_model, lite_attn_config
 
     tokenizer = builtin_tokenizer()
@@ -227,19 +254,27 @@ def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, 
 
 
 def load(model_path: Optional[str], dtype_name: str, device: torch.device, *, trust_remote_code: bool = False,
-         allow_pickle: bool = False, attn: str = "sdpa", seed: int = 0,
+         allow_pickle: bool = False, attn: str = "sdpa", builtin: str = "lite-dims",
          progress: Callable[[str], None] = print) -> Loaded:
+    """`model_path`'s checkpoint, or without one the built-in model `builtin`: "chat" (`builtin_model`,
+    what `mla-ops ask` answers with) or "lite-dims" (`lite_dims_model`, what the benchmarks time)."""
     if model_path:
         return checkpoint_model(pathlib.Path(model_path).expanduser(), dtype_name, device,
                                 trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, attn=attn,
                                 progress=progress)
+    if builtin not in ("chat", "lite-dims"):
+        raise ValueError(f"builtin={builtin!r}: choose 'chat' or 'lite-dims'")
     _require_native_deepseek_v2("the built-in model (no --model-path / $MODEL_PATH)",
                                 "install transformers 5.x, or give --model-path with --trust-remote-code for a "
                                 "checkpoint that ships its modeling code")
     dtype = resolve_dtype(dtype_name, device)
+    if builtin == "chat":
+        progress("no --model-path / $MODEL_PATH: loading the built-in chat model")
+        model, tokenizer = builtin_model(dtype, device, attn=attn)
+        return Loaded(model, tokenizer, "built-in", dtype, [BUILTIN_MODEL_DESCRIPTION])
     progress("no --model-path / $MODEL_PATH: building the built-in DeepSeek-V2 (V2-Lite attention dims, "
              "2 layers, small MoE, 1024-token vocab)")
-    model, tokenizer = builtin_model(dtype, device, attn=attn, seed=seed)
+    model, tokenizer = lite_dims_model(dtype, device, attn=attn)
     notes = ["the built-in model has seeded RANDOM weights: its text is noise; timings, memory and the op "
              "paths are real"]
     return Loaded(model, tokenizer, "built-in", dtype, notes)
