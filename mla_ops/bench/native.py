@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
+import sys
 import time
 from typing import Optional
 
@@ -30,7 +32,7 @@ import mla_ops
 
 from .._library import OPS, checked_kernel
 from ..backends import cpu_native as native_cpu
-from .timing import cpu_flags, format_table, median_ratio
+from .timing import cpu_flags, format_table, median_ratio, source_commit
 from .vllm import host_decode_kernels
 
 N, L, R = 16, 512, 64  # DeepSeek-V2-Lite: heads, kv_lora_rank, rope dim
@@ -462,6 +464,10 @@ def main(argv=None) -> None:
     result = run(quick=args.quick, vllm=not args.no_vllm, rounds=args.rounds)
     print(format_report(result), flush=True)
     if args.json:
+        # what reruns this measurement and the code it measured, beside the environment it ran in
+        words = sys.argv[1:] if argv is None else list(argv)
+        result["environment"].update(command=shlex.join(["python", "-m", "mla_ops.bench.native", *words]),
+                                     commit=source_commit())
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
 

@@ -145,3 +145,31 @@ def cpu_flags() -> str:
         return "unknown"
     found = re.findall(r"\b(amx_bf16|amx_tile|avx512_bf16|avx512f|avx2)\b", text)
     return " ".join(sorted(set(found))) or "none"
+
+
+def source_commit() -> Optional[str]:
+    """The git commit of the mla-ops checkout this package runs from (`git rev-parse HEAD`), with a
+    "-dirty" suffix when tracked files differ from it; None when the package is not a git checkout's
+    own `mla_ops/` (an installed wheel) or git is missing. A result file records it next to the
+    command, so a number can be traced to the code that produced it."""
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> Optional[str]:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    toplevel = git("rev-parse", "--show-toplevel")
+    # a wheel installed into a virtualenv that lies inside some git checkout is not that checkout's code
+    if toplevel is None or pathlib.Path(toplevel).resolve() != root:
+        return None
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return None
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return head + ("-dirty" if changes else "")
