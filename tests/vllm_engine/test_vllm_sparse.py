@@ -17,6 +17,8 @@ Engines, each in its own child process and shared by the tests of one subject:
   prefill off for MLA models; the plugin keeps it for sparse ones. Every step's request layout is
   recorded in the engine, so the test sees the chunks and mixed steps it claims; tokens equal transformers'.
 * tensor_parallel_size=2 (gloo, one core per rank): tokens equal the TP=1 run and transformers'.
+* fp32, V3.2 with 4 indexer heads (equal scores straddle the k-th place): tokens equal transformers
+  patched by `mla_ops.patch` (paged: the op's tie rule), and stock's torch.topk continues otherwise.
 * bf16: the weights written in bf16, so the engine, transformers in bf16 and transformers in fp32 (the
   exact computation on those weights) share them; see the bf16 section for the bounds and why.
 * stock vLLM (plugin off): refuses both models; compiled execution: refused by the plugin with the fix.
@@ -59,6 +61,40 @@ CHUNKED_BUDGET = 32
 CHUNKED_JOBS = {"mixed_batch": JOBS["mixed_batch"],
                 "len250": {"prompts": random_prompts([250], 4), "max_tokens": MAX_TOKENS}}
 TP_JOBS = ("len80", "mixed_batch")
+
+
+# ------------------------------------------------------------------- ties across the k-th place
+# With 4 indexer heads many scores are exactly 0 after the ReLU, so equal scores straddle the k-th place.
+# The route selects with mla.lightning_indexer (equal scores: the lower position first), the rule of the
+# transformers patch's paged mode; transformers' stock torch.topk keeps whichever tied positions its sort
+# leaves in front, so stock may continue otherwise (docs/vllm.md says where the equality stops).
+FEW_INDEXER_HEADS = 4
+TIE_JOBS = {"len80": JOBS["len80"], "mixed_batch": JOBS["mixed_batch"]}
+
+
+@pytest.fixture(scope="module")
+def few_heads_checkpoint(tmp_path_factory):
+    from mla_ops.testing.vllm_checkpoint import write_sparse_checkpoint
+
+    return str(write_sparse_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v32-4-indexer-heads",
+                                       seed=0, num_layers=NUM_LAYERS, max_positions=2048, index_topk=INDEX_TOPK,
+                                       index_n_heads=FEW_INDEXER_HEADS))
+
+
+def test_ties_across_the_kth_place_follow_the_op_rule(few_heads_checkpoint):
+    import mla_ops
+
+    run = run_llm(few_heads_checkpoint, list(TIE_JOBS.values()), plugin=True, dtype="float32", max_model_len=512,
+                  max_num_seqs=8)
+    model = load_transformers_model(few_heads_checkpoint, V32)
+    stock = {name: transformers_greedy(model, job["prompts"], job["max_tokens"]) for name, job in TIE_JOBS.items()}
+    with mla_ops.patch(model):  # the paged mode: the op's selection
+        op_rule = {name: transformers_greedy(model, job["prompts"], job["max_tokens"])
+                   for name, job in TIE_JOBS.items()}
+    for index, name in enumerate(TIE_JOBS):
+        assert _tokens(run, index) == op_rule[name], name
+    # the ties decide: stock's selection continues some prompt otherwise
+    assert op_rule != stock
 
 
 @pytest.fixture(scope="module")

@@ -124,9 +124,10 @@ def dense_selection(attn, patch, hidden_states, q_resid, inputs):
     if attn.indexer is None:
         columns = previous_topk(inputs)
     else:
-        # the stock call: the indexer scores against the 3-D [B, S, T] mask
+        # the stock call: the indexer scores against the 3-D [B, S, T] mask. The cache goes by position:
+        # its keyword is `past_key_values` before transformers 5.24 and `cache` from 5.24
         columns = attn.indexer(hidden_states, q_resid, inputs.position_embeddings, mask[:, 0], inputs.position_ids,
-                               cache=inputs.cache)
+                               inputs.cache)
     if attn.config._attn_implementation in MASKED_IMPLEMENTATIONS:
         return restrict_mask(mask, columns, None, hidden_states.dtype), {}, columns
     return mask, {"indices": columns}, columns
@@ -186,7 +187,8 @@ def indexer_refusal(attn, family) -> Optional[str]:
     probe.index_topk = PROBE_TOPK
     with torch.no_grad():
         try:
-            stock = probe(hidden, q_resid, (cos, sin), causal, None, cache=None).long()  # [1, S, k]
+            # no cache, by position (its keyword differs between transformers releases)
+            stock = probe(hidden, q_resid, (cos, sin), causal, None, None).long()  # [1, S, k]
         except Exception as exc:  # another signature: not DeepSeek-V3.2's indexer
             return f"sparse attention: its indexer ({type(indexer).__name__}) does not run as DeepSeek-V3.2's " \
                    f"({type(exc).__name__}: {exc})"
