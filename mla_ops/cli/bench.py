@@ -47,7 +47,8 @@ def _e2e_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time (default); cpu: the CPU time the process got, which other jobs on "
                         "the machine barely move (needs --threads 1 and a CPU --device)")
-    p.add_argument("--model-path", default=None, help="local checkpoint (default: the built-in model)")
+    p.add_argument("--model-path", default=None,
+                   help="local checkpoint (default: the built-in timing model, V2-Lite attention dims)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--plot", default="bench_e2e.png",

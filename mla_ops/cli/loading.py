@@ -41,7 +41,7 @@ DEEPSEEK_V2_TYPES = ("deepseek_v2",)  # the native model's and the hub remote co
 class Loaded:
     model: torch.nn.Module
     tokenizer: object
-    source: str  # "built-in" or the checkpoint directory
+    source: str  # "built-in" (the chat model), "built-in timing" or the checkpoint directory
     dtype: torch.dtype
     notes: list[str]
 
@@ -272,9 +272,9 @@ def load(model_path: Optional[str], dtype_name: str, device: torch.device, *, tr
         progress("no --model-path / $MODEL_PATH: loading the built-in chat model")
         model, tokenizer = builtin_model(dtype, device, attn=attn)
         return Loaded(model, tokenizer, "built-in", dtype, [BUILTIN_MODEL_DESCRIPTION])
-    progress("no --model-path / $MODEL_PATH: building the built-in DeepSeek-V2 (V2-Lite attention dims, "
-             "2 layers, small MoE, 1024-token vocab)")
+    progress("no --model-path / $MODEL_PATH: building the built-in timing model, a DeepSeek-V2 with V2-Lite "
+             "attention dims (2 layers, small MoE, 1024-token vocab)")
     model, tokenizer = lite_dims_model(dtype, device, attn=attn)
-    notes = ["the built-in model has seeded RANDOM weights: its text is noise; timings, memory and the op "
+    notes = ["the built-in timing model has seeded RANDOM weights: its text is noise; timings, memory and the op "
              "paths are real"]
-    return Loaded(model, tokenizer, "built-in", dtype, notes)
+    return Loaded(model, tokenizer, "built-in timing", dtype, notes)
