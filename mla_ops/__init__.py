@@ -10,9 +10,7 @@ binds the backends' kernels (`mla_ops.backends`) and imports no NPU, CUDA or PyP
 `mla_ops.patch(model)` routes a transformers MLA model through the ops (it imports transformers when
 first used; see `mla_ops.integrations.transformers.patch.patch`).
 """
-import warnings  # noqa: I001  (ops is imported first: it defines the ops the backends bind kernels to)
-
-from . import ops  # noqa: F401
+from . import ops  # noqa: F401,I001  (defines the ops before the backends bind kernels to them)
 from . import backends, settings
 from .backends import explain
 from .ops import (
@@ -58,12 +56,11 @@ def __dir__() -> list[str]:
 
 
 def patch_deepseek_v2(model=None, **options):
-    """Deprecated name of `mla_ops.patch(model, **options)` (the same options and defaults)."""
-    patch = __getattr__("patch")
-    from .integrations.transformers.patch import deprecation_message
+    """Deprecated name of `mla_ops.patch(model, **options)`: the same options; `cache` defaults to "dense"."""
+    __getattr__("patch")  # imports transformers, with the error that names the extra when it is missing
+    from .integrations.transformers.patch import patch_under_former_name
 
-    warnings.warn(deprecation_message("mla_ops.patch_deepseek_v2"), DeprecationWarning, stacklevel=2)
-    return patch(model, **options)
+    return patch_under_former_name("mla_ops.patch_deepseek_v2", model, options)
 
 
 # (`patch` is left out: `from mla_ops import *` must not need transformers)

@@ -96,7 +96,7 @@ def check_softmax_scale(op: str, softmax_scale, example: str = "") -> None:
     torch._check(
         FLOAT32_NORMAL_MIN <= softmax_scale <= FLOAT32_MAX,
         lambda: f"mla.{op}: softmax_scale must be a positive normal float32 number{example}, within "
-        f"[{FLOAT32_NORMAL_MIN!r}, {FLOAT32_MAX!r}] (the kernels scale in float32), got {softmax_scale!r}",
+        f"[{FLOAT32_NORMAL_MIN!r}, {FLOAT32_MAX!r}] (the kernels scale in float32), got {float(softmax_scale)!r}",
     )
 
 

@@ -1,6 +1,7 @@
 """Backend selection end to end: the pypto_sim backend behind torch.ops.mla on CPU, explicit
 requests that cannot be met, and the NPU dispatch policy as plain functions."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -135,3 +136,40 @@ def test_simulator_leaves_the_process_environment_intact():
         assert probe.stdout.strip() == "1"
     finally:
         del os.environ["MLA_OPS_ENV_PROBE"]
+
+
+# `import mla_ops` with the native builds made unimportable, printing the RuntimeWarnings it raised
+_IMPORT_WITHOUT_NATIVE = """
+import importlib.abc, json, sys, warnings
+class HideNativeBuilds(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("mla_ops._C_"):
+            raise ImportError(name + " hidden by the test")
+        return None
+sys.meta_path.insert(0, HideNativeBuilds())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import mla_ops
+print(json.dumps([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="the import warning is for x86-64, where the native builds are expected")
+@pytest.mark.parametrize("opted_out", [False, True], ids=["default", "MLA_OPS_NO_NATIVE=1"])
+def test_import_warns_once_with_the_fix_when_no_native_build_loads(opted_out):
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_OPS_")}
+    if opted_out:
+        env["MLA_OPS_NO_NATIVE"] = "1"
+    done = subprocess.run([sys.executable, "-c", _IMPORT_WITHOUT_NATIVE], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    messages = json.loads(done.stdout.strip().splitlines()[-1])
+    if opted_out:
+        assert messages == []
+    else:
+        assert len(messages) == 1, messages
+        assert "native CPU kernels are unavailable" in messages[0]
+        assert "pip install --no-build-isolation ." in messages[0] and "MLA_OPS_NO_NATIVE=1" in messages[0]

@@ -338,7 +338,8 @@ def test_unknown_option_is_refused_by_name():
 
 def test_deprecated_names_warn_and_still_patch():
     """`mla_ops.patch_deepseek_v2` and `integrations.transformers.apply`: `mla_ops.patch` under its
-    former names, with a DeprecationWarning that points at it."""
+    former names, with a DeprecationWarning that points at it, keeping their former default cache
+    (dense) when none is given."""
     config = tiny_config()
     model = build_model(config)
     ids = random_prompt(config, batch=1, length=7)
@@ -347,7 +348,7 @@ def test_deprecated_names_warn_and_still_patch():
         for deprecated, name in ((mla_ops.patch_deepseek_v2, "mla_ops.patch_deepseek_v2"),
                                  (patch.apply, "mla_ops.integrations.transformers.apply")):
             with pytest.warns(DeprecationWarning, match=f"{name} is deprecated: use mla_ops.patch"):
-                handle = deprecated(model, cache="dense")
+                handle = deprecated(model)
             with handle, MlaCalls() as calls:
                 got = model(ids).logits
             assert handle.options == patch.PatchOptions(cache="dense") and handle.patched_modules == 2

@@ -9,8 +9,8 @@ Every measured number in README.md and docs/performance.md sits between two mark
 and is produced here from one result file (the README's headline table: one row per file), followed
 by its source line: the result file, the command that wrote it, the commit, the CPU flags and torch.
 The commit is the one recorded in the file: the checkout a benchmark ran from (`mla-ops bench` and
-`python -m mla_ops.bench.native` write it), or for files recorded before the benchmarks wrote it, the
-commit that recorded the file in the repository (`git log -1 -- FILE` at the time it was filled in).
+`python -m mla_ops.bench.native` write it), or, in a file whose benchmark did not write its checkout,
+the commit that added the file to the repository (`git log -1 -- FILE` when it was filled in).
 
     python tools/render_docs.py            # rewrite the blocks in place
     python tools/render_docs.py --check    # exit status 1, naming the blocks that differ

@@ -217,7 +217,7 @@ def lightning_indexer_reasons(q, weights, k_cache, block_tables, seq_lens, query
 
 def _lightning_indexer_path(*args, **kwargs) -> str:
     return ("torch_npu.npu_lightning_indexer (softmax_scale folded into the weights; order within the top-k "
-            "not guaranteed by its documentation: the same positions, ties possibly in another order)")
+            "not guaranteed by its documentation; among equal scores at the k-th place its choice is its own)")
 
 
 @NPU.kernel("lightning_indexer", reasons=lightning_indexer_reasons, path=_lightning_indexer_path)
@@ -233,8 +233,9 @@ def lightning_indexer(q, weights, k_cache, block_tables, seq_lens, query_start_l
       page's 2026-03 revisions (earlier ones, e.g. c2447e25, list bf16/fp16 only; the Ascend 950 takes
       no fp32 weights).
     * Order: the documentation promises the top-`sparse_count` set, not an order; its own test
-      compares against a descending (unstable) torch.sort. So the positions are those of the op, but
-      equal scores may come in another order than the op's "lower position first".
+      compares against a descending (unstable) torch.sort. So where no equal scores straddle the
+      k-th place the positions are the op's, possibly in another order; where they do, which of the
+      tied positions it keeps is its own, not the op's "lower position first".
     * Invalid entries: the documentation does not say what fills the slots past the visible count (its
       test writes masked positions there), so anything outside 0..p becomes -1 here.
     No host synchronisation: conversions are tensor ops of static shapes."""
@@ -466,9 +467,10 @@ def scatter_rows_with_torch_npu(pairs, slot_mapping) -> None:
     token = torch.where(kept, torch.arange(num_tokens, device=slots.device), first_kept)
     dst = torch.where(any_kept, slots[token], 0)
     indices = torch.stack((torch.div(dst, block_size, rounding_mode="floor"), torch.remainder(dst, block_size)), 1)
-    for rows, cache in pairs:
-        updates = torch.where(any_kept, rows[token], cache[0, 0].unsqueeze(0))  # read before any write
-        torch_npu.npu_scatter_nd_update_(cache, indices, updates)
+    # every pair's rows are gathered (copied) before any pool is written: rows may be views of a pool
+    updates = [torch.where(any_kept, rows[token], cache[0, 0].unsqueeze(0)) for rows, cache in pairs]
+    for (_, cache), rows in zip(pairs, updates):
+        torch_npu.npu_scatter_nd_update_(cache, indices, rows)
 
 
 def _scatter_path(*args, **kwargs) -> str:

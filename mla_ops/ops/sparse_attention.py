@@ -24,7 +24,9 @@ transformers' `deepseek_v32` indexer the op scores the activation-dtype keys in 
 what transformers selects, except among exactly equal scores straddling the k-th place (below).
 
 Ties: the top-k are the positions of the k highest scores in descending score order, and equal
-scores keep ascending position order (a stable sort): deterministic on every backend and path. NaN
+scores keep ascending position order (a stable sort) on the reference, its sync-free path and the
+native CPU kernels; torch_npu's `npu_lightning_indexer` documents the top-k set only, so among equal
+scores at the k-th place its choice and order are its own (`backends/npu.py`). NaN
 scores (from inf/NaN inputs) sort above every number, as torch.sort orders them. transformers' indexer
 picks with `torch.topk`, which keeps whichever tied positions its partial sort leaves in front (no
 documented rule), so the two can keep other positions where equal scores straddle the k-th place.
@@ -338,9 +340,9 @@ def lightning_indexer(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables:
             positive normal float32 number.
         validate: check the index values on non-CPU devices (CPU always checks).
     Returns:
-        int32 `[T, topk]`: request-local positions, best first (equal scores: lower position first,
-        on every backend; `torch.topk` has no such rule), -1 past the `p + 1` positions a token at
-        position p can see.
+        int32 `[T, topk]`: request-local positions, best first (equal scores: lower position first on
+        the reference and native CPU kernels; `torch.topk` has no such rule), -1 past the `p + 1`
+        positions a token at position p can see.
     """
     if validates_on_host(validate, k_cache):
         check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk,
@@ -440,7 +442,7 @@ def to_global_slots(topk_indices: Tensor, block_tables: Tensor, query_start_loc:
             t, k = (int(v) for v in torch.nonzero(bad)[0])
             slot = int(block[t, k]) * block_size + int(offset[t, k])  # a Python int: no wrap-around
             raise ValueError(f"mla.{TO_GLOBAL_SLOTS}: topk_indices[{t}, {k}] = {int(indices[t, k])} addresses slot "
-                             f"{slot} (block {int(block[t, k])} of block_tables x block_size {block_size} + "
+                             f"{slot} (block id {int(block[t, k])} x block_size {block_size} + offset "
                              f"{int(offset[t, k])}), which int32 cannot hold (at most {INT32_MAX}); use block ids "
                              f"below {INT32_MAX // block_size + 1}")
     return torch.where(valid & fits, slots, -1).to(torch.int32)

@@ -9,11 +9,11 @@ built on them, and DeepSeek-V3.2 / GLM-5 sparse attention) through `torch.ops.ml
 `mla_ops.patch` is `patch.patch` (`apply` here is its deprecated name). Modules: `patch` (the `patch`
 function: what is patched, options), `families` (recognising MLA attention classes by structure, and
 how each family differs), `releases` (what changed between transformers
-releases), `forwards` (the installed forwards), `attention_parts` (pieces every mode and family
-shares), `paged_cache` (MLAPagedCache), `paged_attention` (the paged forward, absorbed decode),
-`indexer` (DeepSeek Sparse Attention's top-k on mla.lightning_indexer), `generation` (model-level
-cache hooks), `patching` (reversible, scoped attribute patches), `remote_code` (the hub remote code
-of DeepSeek-V2).
+releases), `forwards` (the installed forwards), `attention_parts` (pieces every mode and family shares),
+`paged_cache` (MLAPagedCache), `paged_attention` (the paged forward, absorbed decode), `indexer`
+(DeepSeek Sparse Attention's top-k: the stock indexer's in dense mode, mla.lightning_indexer in paged),
+`generation` (model-level cache hooks), `patching` (reversible, scoped attribute patches), `remote_code`
+(the hub remote code of DeepSeek-V2).
 """
 from . import releases  # noqa: F401 (public: what each transformers release supports)
 from .families import MlaFamily, describe, families_of, installed_mla_model_types, is_mla_attention

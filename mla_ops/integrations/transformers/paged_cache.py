@@ -104,7 +104,7 @@ class MLAPagedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError(
             "MLAPagedCache stores the MLA latent through mla.scatter_pa_kv_cache in the patched attention "
-            "(mla_ops.integrations.transformers.apply(model, cache='paged')); it has no per-head K/V to update")
+            "(mla_ops.patch(model), whose cache is 'paged'); it has no per-head K/V to update")
 
     def get_seq_length(self) -> int:
         return self._cache.get_seq_length()

@@ -12,11 +12,11 @@
 Targets:
 * transformers' own MLA attention classes (DeepSeek-V2, DeepSeek-V3 and the families built on its
   forward), recognised by structure (`families`) on transformers `SUPPORTED_TRANSFORMERS`; DeepSeek
-  Sparse Attention with DeepSeek-V3.2's indexer (DeepSeek-V3.2, GLM-5 and its "shared" indexer
-  layers: the top-k through `mla.lightning_indexer`, the paged decode through
-  `mla.sparse_mla_attention`, see `indexer`); other indexers and forwards doing something the
-  patch does not reproduce are refused with the reason (an indexer is also run once on a random
-  input at patch time, to check it picks what DeepSeek-V3.2's does);
+  Sparse Attention with DeepSeek-V3.2's indexer (DeepSeek-V3.2, GLM-5 and its "shared" indexer layers:
+  the dense mode selects with the stock indexer itself, the paged mode through `mla.lightning_indexer`
+  and decodes through `mla.sparse_mla_attention`, see `indexer`); other indexers and forwards doing
+  something the patch does not reproduce are refused with the reason (an indexer is also run once on a
+  random input at patch time, to check it picks what DeepSeek-V3.2's does);
 * the hub remote code's `DeepseekV2Attention` of `modeling_deepseek.py` (trust_remote_code), found on
   the model instance, on whatever transformers runs it (`remote_code`; dense cache only).
 
@@ -170,16 +170,25 @@ patch.__signature__ = inspect.Signature(
     return_annotation=PatchHandle)
 
 
+# The cache mode the former names of `patch` default to: they keep the behaviour their callers wrote for.
+FORMER_DEFAULT_CACHE = "dense"
+
+
 def deprecation_message(former_name: str) -> str:
     """What a former name of `patch` warns (DeprecationWarning)."""
-    return (f"{former_name} is deprecated: use mla_ops.patch (the same options; cache defaults to "
-            f"{PatchOptions.cache!r}, pass cache='dense' for transformers' cache of the per-head K/V)")
+    return (f"{former_name} is deprecated: use mla_ops.patch (the same options; it defaults to "
+            f"cache={PatchOptions.cache!r}, where {former_name} keeps cache={FORMER_DEFAULT_CACHE!r})")
+
+
+def patch_under_former_name(former_name: str, model: Optional[torch.nn.Module], options: dict) -> PatchHandle:
+    """`patch` called through a deprecated name: warns, and keeps that name's default cache mode."""
+    warnings.warn(deprecation_message(former_name), DeprecationWarning, stacklevel=3)
+    return patch(model, **{"cache": FORMER_DEFAULT_CACHE, **options})
 
 
 def apply(model: Optional[torch.nn.Module] = None, **options) -> PatchHandle:
-    """Deprecated name of `patch` (`mla_ops.patch`): the same options and defaults."""
-    warnings.warn(deprecation_message("mla_ops.integrations.transformers.apply"), DeprecationWarning, stacklevel=2)
-    return patch(model, **options)
+    """Deprecated name of `patch` (`mla_ops.patch`): the same options; `cache` defaults to "dense"."""
+    return patch_under_former_name("mla_ops.integrations.transformers.apply", model, options)
 
 
 @dataclasses.dataclass
