@@ -4,6 +4,7 @@ global-slot convention, and the sparse benchmark's rows. (Every op x backend x s
 oracle, the error inputs, opcheck and compile are in tests/test_cases.py.)"""
 import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -101,6 +102,9 @@ def test_global_slots_follow_the_block_table():
     assert slots.dtype == torch.int32
     # a position whose block-table entry is padding (-1) has no slot
     assert mla_ops.to_global_slots(torch.tensor([[9]]), tables, torch.tensor([0, 1, 1]), 4).tolist() == [[-1]]
+    # an integer that is not a Python int (numpy, a one-element tensor) is the block size it stands for
+    for block_size in (np.int64(4), torch.tensor(4)):
+        assert torch.equal(mla_ops.to_global_slots(indices, tables, starts, block_size), slots)
 
 
 def test_global_slots_map_what_addresses_nothing_to_minus_one():

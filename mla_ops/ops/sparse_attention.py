@@ -36,6 +36,8 @@ in float32.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -425,6 +427,11 @@ def to_global_slots(topk_indices: Tensor, block_tables: Tensor, query_start_loc:
         for query_start_loc values (CPU, or validate=True).
         On other devices without validate such an entry is -1, never a wrapped-around slot.
     No host sync on non-CPU devices unless validate=True."""
+    if not isinstance(block_size, (int, bool)):
+        try:  # a numpy or one-element integer tensor: the Python int it stands for
+            block_size = operator.index(block_size)
+        except TypeError:
+            pass  # refused below, with the argument named
     _check_global_slot_args(topk_indices, block_tables, query_start_loc, block_size)
     host = topk_indices.device.type == "cpu" or validate
     if host:

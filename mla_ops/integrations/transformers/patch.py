@@ -54,7 +54,8 @@ DEFAULT_FAMILY = "deepseek_v2"  # the class-level patch's family when none is na
 @dataclasses.dataclass(frozen=True)
 class PatchOptions:
     """The options of `patch` and their defaults (this class is their one home; `patch` documents them).
-    Raises ValueError, naming the option, for a value or a combination `patch` cannot apply."""
+    Raises TypeError for a flag that is not a bool, and ValueError for a value or a combination `patch`
+    cannot apply, each naming the option."""
 
     kv_prolog: bool = True
     rms_norm: bool = False
@@ -133,7 +134,7 @@ def patch(model: Optional[torch.nn.Module] = None, *, family: Optional[str] = No
         Patching the same model (or the classes) again first reverts the previous patch there: the
         newest options win.
     Raises:
-        TypeError: an unknown option, or a model that is not a torch.nn.Module.
+        TypeError: an unknown option, a flag that is not a bool, or a model that is not a torch.nn.Module.
         ValueError / NotImplementedError: options or a model the patch cannot apply, with the reason;
             nothing is patched then.
     """
