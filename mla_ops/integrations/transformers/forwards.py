@@ -54,7 +54,7 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
     query_states = scale_query(self, patch, torch.cat((q_nope, q_pe), dim=-1), inputs.position_ids)
     attention_mask, extra, topk = inputs.attention_mask, inputs.extra, None
     if patch.family.sparse:  # the indexer's top-k, through mla.lightning_indexer, folded into the mask
-        attention_mask, indices, topk = indexer.dense_selection(self, patch, hidden_states, q_resid, inputs)
+        attention_mask, indices, topk = indexer.dense_selection(self, hidden_states, q_resid, inputs)
         extra = {**extra, **indices}
     attn_output, attn_weights = attend(self, patch, query_states, key_states, value_states, attention_mask, extra)
     return sparse_result(patch, project_output(self, patch, attn_output, hidden_states), attn_weights, topk)

@@ -106,7 +106,7 @@ def previous_topk(inputs):
     return inputs.prev_topk_indices
 
 
-def dense_selection(attn, patch, hidden_states, q_resid, inputs):
+def dense_selection(attn, hidden_states, q_resid, inputs):
     """The dense mode's top-k, stock's exactly: (the attention mask with it folded in as stock folds it,
     or the mask unchanged and the top-k passed as `indices=` to other implementations; extra kwargs for
     the attention function; the int32 [B, S, min(index_topk, T)] top-k a "shared" next layer reuses).
