@@ -11,7 +11,10 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 
 .PHONY: venv test test-fast lint demo clean test-vllm test-compat
 
-$(STAMP): requirements.txt setup.py pyproject.toml
+# The C++ of the native extension: an editable install compiles it, so a change to it reinstalls.
+NATIVE_SOURCES := $(wildcard mla_ops/csrc/cpu/*.cpp mla_ops/csrc/cpu/*.h mla_ops/csrc/cpu/kernels/*)
+
+$(STAMP): requirements.txt setup.py pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
@@ -56,7 +59,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.mla-ops-installed
 
-$(VLLM_STAMP): requirements-vllm.txt setup.py pyproject.toml
+$(VLLM_STAMP): requirements-vllm.txt setup.py pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check "$$(grep -m1 '^torch==' requirements-vllm.txt)"
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check -r requirements-vllm.txt
@@ -75,7 +78,7 @@ test-vllm: $(VLLM_STAMP)
 COMPAT_TRANSFORMERS := 4.45 4.54 5.10
 COMPAT_STAMPS := $(foreach v,$(COMPAT_TRANSFORMERS),.venv-tf$(v)/.mla-ops-installed)
 
-.venv-tf%/.mla-ops-installed: requirements-compat/transformers-%.txt setup.py pyproject.toml
+.venv-tf%/.mla-ops-installed: requirements-compat/transformers-%.txt setup.py pyproject.toml $(NATIVE_SOURCES)
 	@test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*
 	.venv-tf$*/bin/pip install --quiet --disable-pip-version-check "$$(grep -m1 '^torch==' $<)"
 	.venv-tf$*/bin/pip install --quiet --disable-pip-version-check -r $<

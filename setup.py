@@ -1,13 +1,15 @@
 """mla-ops: multi-head latent attention (MLA) operators for PyTorch, `torch.ops.mla`.
 
-The native CPU kernels (mla_ops/csrc/cpu) are built once per ISA as extension modules
-`mla_ops._C_avx512`, `mla_ops._C_avx2` (x86-64) and `mla_ops._C_default` (every platform; NEON on
-aarch64); `mla_ops.backends.cpu_native` picks the best one the CPU supports at run time. They are
-compiled against the torch of the environment that runs the build, so that torch must be importable
-here: `pip install --no-build-isolation .` (pip's default build isolation hides it). A build that cannot
-import torch, finds a torch outside `TORCH_REQUIREMENT`, or fails to compile, stops with the reason and
-the fix. MLA_OPS_NO_NATIVE=1 installs the package without them (the reference kernels serve the CPU).
+The native CPU kernels (mla_ops/csrc/cpu) are one extension module, `mla_ops._C`: the sources of
+csrc/cpu/kernels are compiled once per ISA of the platform (x86-64: DEFAULT, AVX2, AVX512; elsewhere
+DEFAULT, which is NEON on aarch64) and the rest once, all linked into it; the kernels pick their ISA at
+run time (csrc/cpu/isa.h). They are compiled against the torch of the environment that runs the build,
+so that torch must be importable here: `pip install --no-build-isolation .` (pip's default build
+isolation hides it). A build that cannot import torch, finds a torch outside `TORCH_REQUIREMENT`, or
+fails to compile, stops with the reason and the fix. MLA_OPS_NO_NATIVE=1 installs the package without
+them (the reference kernels serve the CPU).
 """
+import glob
 import os
 import platform
 import re
@@ -40,9 +42,10 @@ def _read_version() -> str:
 
 
 _CSRC = "mla_ops/csrc/cpu"
-_SOURCES = [f"{_CSRC}/{name}.cpp"
-            for name in ("decode_attention", "lightning_indexer", "kv_prolog", "paged_kv_cache", "arguments",
-                         "registration", "bindings")]
+# Compiled once: the argument checks, the reasons, the registration and the module.
+_ONCE_SOURCES = sorted(glob.glob(f"{_CSRC}/*.cpp"))
+# Compiled once per ISA: every kernel file (a new kernel needs no change here).
+_KERNEL_SOURCES = sorted(glob.glob(f"{_CSRC}/kernels/*.cpp"))
 # -ffp-contract=off: the kernels reproduce the reference's separately rounded products (RoPE); the
 # FMAs the decode kernel wants are written explicitly (at::vec::fmadd), not left to contraction.
 _COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"]
@@ -50,12 +53,13 @@ _COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"
 # compiled into this extension, so without -fopenmp every kernel would run on one thread.
 _OPENMP_FLAGS = ["-fopenmp"]
 # ATen's vec headers pick their SIMD implementation from these macros (and put it in the inline
-# namespace CPU_CAPABILITY); the -m flags are the ones ATen's own kernels of that level use.
+# namespace CPU_CAPABILITY); the -m flags are the ones ATen's own kernels of that level use. The
+# once-compiled sources get the DEFAULT flags.
 _ISA_FLAGS = {
+    "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
+    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
                "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-    "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
 }
 
 
@@ -64,8 +68,9 @@ def _native_opted_out() -> bool:
 
 
 def _isas() -> tuple:
+    """The ISAs the kernel files are compiled for, DEFAULT first (csrc/cpu/isa.h names the same set)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return ("avx512", "avx2", "default") if x86 else ("default",)
+    return ("default", "avx2", "avx512") if x86 else ("default",)
 
 
 def _refusing_build_ext(reason: str) -> type:
@@ -85,7 +90,7 @@ def _native_extensions() -> tuple:
         print(f"mla-ops: {NO_NATIVE_ENV} is set: installing without the native CPU kernels (reference kernels "
               f"only)", file=sys.stderr)
         return [], {}
-    placeholders = [Extension(f"mla_ops._C_{isa}", _SOURCES) for isa in _isas()]
+    placeholders = [Extension("mla_ops._C", _ONCE_SOURCES + _KERNEL_SOURCES)]
     try:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -101,20 +106,30 @@ def _native_extensions() -> tuple:
                   f"Fix: install {TORCH_REQUIREMENT} first, then {NATIVE_FIX}.")
         return placeholders, {"build_ext": _refusing_build_ext(reason)}
 
-    extensions = [
-        CppExtension(f"mla_ops._C_{isa}", _SOURCES, extra_compile_args=_COMMON_FLAGS + _OPENMP_FLAGS + _ISA_FLAGS[isa],
-                     extra_link_args=_OPENMP_FLAGS)
-        for isa in _isas()
-    ]
+    # the DEFAULT build of the kernels is part of the extension's own sources, so its objects come first
+    # on the link line: where two builds emit the same inline function of a shared header (outside
+    # CPU_CAPABILITY), the linker keeps the first, which every CPU runs
+    extension = CppExtension("mla_ops._C", _ONCE_SOURCES + _KERNEL_SOURCES,
+                             extra_compile_args=_COMMON_FLAGS + _OPENMP_FLAGS + _ISA_FLAGS["default"],
+                             extra_link_args=_OPENMP_FLAGS)
 
     class NativeBuildExtension(BuildExtension):
-        """Builds each ISA in its own temp folder (the three share source names); a failed build (no
-        compiler, an old compiler, no OpenMP) stops the install with the fix."""
+        """Compiles the kernel files once more per further ISA (into their own folder, linked after the
+        DEFAULT objects); a failed build (no compiler, an old compiler, no OpenMP) stops the install with
+        the fix."""
 
         def build_extension(self, ext):
-            build_temp = self.build_temp
-            self.build_temp = os.path.join(build_temp, ext.name.rsplit(".", 1)[-1])
             try:
+                args = ext.extra_compile_args  # with what BuildExtension added (the extension's name, ABI)
+                cxx = args["cxx"] if isinstance(args, dict) else args
+                shared = [flag for flag in cxx if flag not in _ISA_FLAGS["default"]]
+                objects = []
+                for isa in _isas()[1:]:
+                    objects += self.compiler.compile(
+                        _KERNEL_SOURCES, output_dir=os.path.join(self.build_temp, isa), macros=ext.define_macros,
+                        include_dirs=ext.include_dirs, debug=self.debug, extra_postargs=shared + _ISA_FLAGS[isa],
+                        depends=ext.depends)
+                ext.extra_objects = [*(ext.extra_objects or []), *objects]
                 super().build_extension(ext)
             except Exception as exc:
                 raise SetupError(
@@ -122,10 +137,8 @@ def _native_extensions() -> tuple:
                     f"compiler with OpenMP (g++ 9 or newer, or clang with libomp; the compiler's own messages are "
                     f"above). Fix: install one and rerun, or set {NO_NATIVE_ENV}=1 for a pure-Python install "
                     f"(reference kernels only).") from exc
-            finally:
-                self.build_temp = build_temp
 
-    return extensions, {"build_ext": NativeBuildExtension.with_options(use_ninja=True)}
+    return [extension], {"build_ext": NativeBuildExtension.with_options(use_ninja=True)}
 
 
 _EXT_MODULES, _CMDCLASS = _native_extensions()
@@ -142,7 +155,8 @@ setup(
     license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["mla_ops", "mla_ops.*"]),
-    package_data={"mla_ops": ["py.typed", "assets/builtin_tokenizer/*", "assets/builtin_model/*"]},
+    # bench/entry_floor.cpp: compiled by `mla-ops bench ops` when it runs (not part of the extension)
+    package_data={"mla_ops": ["py.typed", "assets/builtin_tokenizer/*", "assets/builtin_model/*", "bench/*.cpp"]},
     # torch is bounded to the release the native kernels are built and tested against (TORCH_REQUIREMENT);
     # any build of it works (CPU, CUDA, or the torch under torch_npu). The ops need nothing else; the
     # transformers integration and the CLI need transformers (the `transformers` extra, bounded to the

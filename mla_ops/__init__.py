@@ -1,7 +1,8 @@
 """mla-ops: multi-head latent attention (MLA) kernels as PyTorch operators, `torch.ops.mla.*`.
 
 Importing this package defines every op (schema, fake, reference kernel, autograd: `mla_ops.ops`),
-binds the backends' kernels (`mla_ops.backends`) and imports no NPU, CUDA or PyPTO package.
+routes them to the backends (`mla_ops.backends`: the native CPU kernels
+register themselves when their extension loads) and imports no NPU, CUDA or PyPTO package.
 
     import mla_ops, torch
     k_nope, value, k_pe = torch.ops.mla.kv_prolog(hidden, kv_a_w, None, norm_w, kv_b_w, cos, sin,
@@ -10,7 +11,7 @@ binds the backends' kernels (`mla_ops.backends`) and imports no NPU, CUDA or PyP
 `mla_ops.patch(model)` routes a transformers MLA model through the ops (it imports transformers when
 first used; see `mla_ops.integrations.transformers.patch.patch`).
 """
-from . import ops  # noqa: F401,I001  (defines the ops before the backends bind kernels to them)
+from . import ops  # noqa: F401,I001  (defines the ops before the backends route them)
 from . import backends, settings
 from .backends import explain
 from .ops import (
@@ -31,7 +32,6 @@ from .ops import (
 from ._version import __version__
 from .settings import set_backend, use_backend
 
-backends.bind()
 backends.cpu_native.warn_if_unavailable()
 
 

@@ -17,8 +17,12 @@ either the backward formula or an `Autograd` kernel that refuses gradients for i
 backend's kernels, the list of differentiable ops, `mla-ops info`) is derived from it.
 
 Every eager kernel runs behind the op's own metadata check (`checked_kernel`), so a wrong shape gets
-the same message whichever backend serves the call. Backends (`mla_ops.backends`) attach further
-kernels for specific dispatch keys; nothing else defines an `mla::` schema.
+the same message whichever backend serves the call. The CompositeExplicitAutograd kernel hands each
+call to the backend layer (`mla_ops.backends`, through `route_composite_calls`), which picks the
+backend the setting chooses for the call's device — the reference kernel until it is installed;
+native extensions register kernels for specific dispatch keys statically (the CPU key: see
+`mla_ops.backends.cpu_native`). Nothing is registered after import, and nothing else defines an
+`mla::` schema.
 
 The Library must stay alive for the whole process: an op's registrations live as long as the
 Library object that made them. Plain `Library` calls are used rather than the
@@ -90,13 +94,38 @@ def define_op(schema: str, *, check: Callable, fake: Callable, reference: Callab
     op = OpDef(name, schema, check, fake, reference, backward, setup_context)
     lib.define(schema)
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
-    lib.impl(name, checked_kernel(op, reference, f"mla_{name}_reference"), "CompositeExplicitAutograd")
+    lib.impl(name, _composite_kernel(op), "CompositeExplicitAutograd")
     if op.differentiable:
         torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context, lib=lib)
     else:
         lib.impl(name, _inference_only_kernel(op), "Autograd")
     OPS[name] = op
     return op
+
+
+# (op name, args, kwargs) -> the result: the backend layer's choice among the backends (installed once,
+# at import, by `route_composite_calls`); None: the reference kernel serves every call.
+_composite_router: Optional[Callable] = None
+
+
+def route_composite_calls(router: Callable) -> None:
+    """Have `router(op_name, args, kwargs)` serve every call that reaches an op's CompositeExplicitAutograd
+    kernel (every device without a more specific kernel, and the CPU kernels' hand-offs)."""
+    global _composite_router
+    _composite_router = router
+
+
+def _composite_kernel(op: OpDef) -> Callable:
+    reference = checked_kernel(op, op.reference, f"mla_{op.name}_reference")
+    name = op.name
+
+    def serve(*args, **kwargs):
+        if _composite_router is None:
+            return reference(*args, **kwargs)
+        return _composite_router(name, args, kwargs)
+
+    serve.__name__ = serve.__qualname__ = f"mla_{name}_composite"
+    return serve
 
 
 def differentiable_ops() -> tuple[str, ...]:

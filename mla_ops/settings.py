@@ -13,15 +13,18 @@ environment variable             default    meaning
 ``MLA_OPS_NPU_WARMUP_TOKENS``    ``1,2``    token counts compiled ahead by ``mla_ops.backends.npu.warmup``
 ===============================  =========  ====================================================
 
-``auto`` picks the best available backend per device (the native C++ kernels for CPU tensors where a
-build imports, NPU kernels for NPU tensors, the torch reference kernels for everything else);
+``auto`` picks the best available backend per device (the native C++ kernels for CPU tensors where the
+extension imports, NPU kernels for NPU tensors, the torch reference kernels for everything else);
 ``mla_ops.explain(op, *args)`` says why it skipped the others. An explicit
 backend is a demand for the ops it declares: a call it cannot serve fails with the reasons, it
 does not fall back silently; ops it has no kernel for keep the automatic choice. ``pypto_sim`` runs
 the PyPTO kernels through pypto's CPU simulator: about a second per call, meant for tests, kernel
 work and ``mla-ops bench npu-sim``, never a default.
 
-Changing the backend re-binds the kernels once (``mla_ops.backends.bind``); calls never re-decide it.
+The backend is one setting of the whole process, read by every call (``mla_ops.backends.apply_setting``
+makes a change take effect: it registers nothing, so a graph compiled earlier serves its later calls
+under the setting of that moment). ``use_backend`` changes it for the duration of a block, for every
+thread: it is meant for scripts and tests, not for serving two backends at once.
 """
 from __future__ import annotations
 
@@ -84,7 +87,7 @@ def declare_backend_names(names: Callable[[], tuple[str, ...]]) -> None:
 class Config:
     """The process-wide settings (one instance: ``mla_ops.settings.settings``)."""
 
-    backend: str = "auto"  # change it with set_backend / use_backend, which re-bind the kernels
+    backend: str = "auto"  # change it with set_backend / use_backend
     npu_fused_max_tokens: int = 16
     npu_warmup_tokens: tuple[int, ...] = (1, 2)
 
@@ -102,7 +105,7 @@ _backend_listeners: list[Callable[[], None]] = []
 
 
 def on_backend_change(listener: Callable[[], None]) -> None:
-    """Call `listener()` after every backend change (the backend layer re-binds its kernels)."""
+    """Call `listener()` after every backend change (the backend layer applies it)."""
     _backend_listeners.append(listener)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from mla_ops import backends, settings
 from mla_ops._library import NAMESPACE, OPS
+from mla_ops.backends import cpu_native
 from mla_ops.testing import suites
 from mla_ops.testing.cases import ACTIVATION_DTYPES, ALL_DTYPES, CASES
 
@@ -184,24 +185,40 @@ def _registrations(op: str) -> dict[str, str]:
     return found
 
 
+# Where the native extension's static registrations say they come from (the path it was compiled at ends so).
+NATIVE_REGISTRATION = "mla_ops/csrc/cpu/registration.cpp"
+
+
 def _expected_registrations(op: str) -> dict[str, str]:
     """What the project itself registers for `op`: its definition's Meta (fake), CompositeExplicitAutograd
-    (reference) and Autograd kernels, and the kernels `bind()` attached per dispatch key (its own Python
-    Library, or a backend's C++ registration on CPU / AutogradCPU)."""
+    (the backend layer's entry) and Autograd kernels, and — for the ops the cpu_native backend declares,
+    when its extension is loaded — the extension's CPU and AutogradCPU kernels."""
     import mla_ops._library as library_module
 
     definition = library_module.__file__
     expected = {"Meta": definition, "CompositeExplicitAutograd": definition, "Autograd": definition}
-    expected.update(backends.bound_registrations(op))
+    if cpu_native.load() is not None and op in cpu_native.NATIVE_OPS:
+        expected.update(CPU=NATIVE_REGISTRATION, AutogradCPU=NATIVE_REGISTRATION)
     return expected
 
 
+def _project_registrations(op: str) -> dict[str, str]:
+    return {key: NATIVE_REGISTRATION if source.endswith(NATIVE_REGISTRATION) else source
+            for key, source in _registrations(op).items()}
+
+
 @pytest.mark.parametrize("op", list(OPS))
-def test_every_kernel_was_bound_by_the_project_binding(op):
-    """Any registration other than the op's definition and what the backend layer's `bind()` made — a
-    static TORCH_LIBRARY_IMPL, another Library — would serve calls behind the chooser's back: it fails
-    here, naming the key and the file."""
-    assert _registrations(op) == _expected_registrations(op)
+def test_every_kernel_is_registered_by_the_project(op):
+    """Any registration other than the op's definition and the native extension's declared ones — a
+    TORCH_LIBRARY_IMPL elsewhere, another Library, a key the extension should not touch — would serve
+    calls behind the backend layer's back: it fails here, naming the key and the file."""
+    assert _project_registrations(op) == _expected_registrations(op)
+
+
+@pytest.mark.skipif(cpu_native.load() is None, reason="the native extension is not loaded: "
+                    f"{cpu_native.unavailable_reason()}")
+def test_the_extension_registers_exactly_the_ops_the_backend_declares():
+    assert sorted(torch.ops.mla_native.ops()) == sorted(cpu_native.NATIVE_OPS)
 
 
 def test_the_binding_check_sees_a_foreign_registration():
@@ -210,7 +227,7 @@ def test_the_binding_check_sees_a_foreign_registration():
     foreign = torch.library.Library(NAMESPACE, "IMPL")
     try:
         foreign.impl("rms_norm", lambda x, w, eps=1e-6: x, "PrivateUse1")
-        assert _registrations("rms_norm") == {**_expected_registrations("rms_norm"), "PrivateUse1": __file__}
+        assert _project_registrations("rms_norm") == {**_expected_registrations("rms_norm"), "PrivateUse1": __file__}
     finally:
         foreign._destroy()
-    assert _registrations("rms_norm") == _expected_registrations("rms_norm")
+    assert _project_registrations("rms_norm") == _expected_registrations("rms_norm")

@@ -126,20 +126,27 @@ def test_backend_selection_auto_and_explicit():
         # ... but ops it does not claim keep the automatic choice
         out = torch.ops.mla.rms_norm(args[0], torch.ones(SMALL.H), 1e-6)
         assert torch.equal(out, OPS["rms_norm"].reference(args[0], torch.ones(SMALL.H), 1e-6))
-        assert dict(((op, dev), who) for op, dev, who in backends.bound_report())[("rms_norm", "cpu")] == "reference"
+        served = dict(((op, dev), who) for op, dev, who in backends.serving_report())
+        assert served[("rms_norm", "cpu")] == ("reference" if native.unavailable_reason() else "cpu_native or reference")
 
 
-def test_the_choice_is_bound_once_per_setting_not_made_per_call():
-    """A setting change re-binds the dispatch table; calls never re-decide. With `reference` nothing
-    is bound to the CPU key (CompositeExplicitAutograd serves); binding the npu backend on CPU tensors
-    installs a kernel that refuses, so the CPU key visibly changes owner, and back."""
+def test_a_setting_change_registers_nothing_and_the_next_call_follows_it():
+    """The dispatcher's registrations are made at import (the op definitions) and when the native extension
+    loads, never by a change of setting: the setting is read by the calls. `reference` is served on CPU;
+    the npu backend, requested by name, refuses a CPU call; back to `reference`, served again."""
+    hidden, kv_a, _, norm_w, kv_b, cos, sin = prolog_inputs(SMALL, torch.bfloat16)
+    args, kwargs = (hidden, kv_a, None, norm_w, kv_b, cos, sin), prolog_kwargs(SMALL)
+    dump = torch._C._dispatch_dump("mla::kv_prolog")
     with mla_ops.use_backend("reference"):
-        assert not torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
-        assert ("kv_prolog", "cpu", "reference") in backends.bound_report()
+        assert ("kv_prolog", "cpu", "reference") in backends.serving_report()
+        expected = torch.ops.mla.kv_prolog(*args, **kwargs)
         with mla_ops.use_backend("npu"):
-            assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
-            assert ("kv_prolog", "cpu", "npu") in backends.bound_report()
-        assert not torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "CPU")
+            assert ("kv_prolog", "cpu", "npu (refused: device cpu)") in backends.serving_report()
+            with pytest.raises(NotImplementedError, match="backend 'npu' was requested"):
+                torch.ops.mla.kv_prolog(*args, **kwargs)
+            assert torch._C._dispatch_dump("mla::kv_prolog") == dump
+        assert all(torch.equal(a, b) for a, b in zip(torch.ops.mla.kv_prolog(*args, **kwargs), expected))
+    assert torch._C._dispatch_dump("mla::kv_prolog") == dump
 
 
 def test_a_wrong_shape_gets_the_ops_own_message_whatever_the_backend():

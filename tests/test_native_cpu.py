@@ -35,30 +35,54 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(params=ISAS or ["none"])
-def ext(request):
-    return native_cpu.load(request.param)
+def isa(request):
+    """The test runs once per ISA build this CPU runs; `native(...)` calls are served by that build."""
+    with native_cpu.use_isa(request.param):
+        yield request.param
+
+
+def native(op, *args, **kwargs):
+    """`torch.ops.mla.<op>` served by the native kernel (cpu_native requested by name: a call it cannot
+    serve is refused, never handed to the reference kernel this file compares it with)."""
+    with mla_ops.use_backend("cpu_native"):
+        return getattr(torch.ops.mla, op)(*args, **kwargs)
 
 
 @pytest.fixture(autouse=True)
 def _ops_are_the_reference():
     """In this file `torch.ops.mla.*` is the reference the native kernels are compared with (on CPU the
-    native kernels are the automatic choice); tests that need the op bound to native say so."""
+    native kernels are the automatic choice); tests that need the op served natively say so."""
     with mla_ops.use_backend("reference"):
         yield
 
 
-def test_loader_reports_isa():
-    chosen = native_cpu.isa()
-    assert chosen in native_cpu.ISAS
-    module = native_cpu.load()
-    assert module.isa().lower() == chosen
+def test_the_kernels_run_the_build_chosen_for_this_cpu():
+    """MLA_OPS_NATIVE_ISA's build, else the one at ATen's own level (ATEN_CPU_CAPABILITY lowers both)."""
     assert native_cpu.unavailable_reason() is None
-    assert native_cpu.load("sse9") is None and "sse9" in native_cpu.unavailable_reason("sse9")
+    aten = torch.backends.cpu.get_cpu_capability().upper()
+    at_atens_level = "avx512" if aten.startswith("AVX512") else "avx2" if aten == "AVX2" else "default"
+    assert native_cpu.isa() == (native_cpu.requested_isa() or at_atens_level)
+    assert native_cpu.available_isas()[-1] == "default"
 
 
-def test_isa_override(monkeypatch):
-    monkeypatch.setenv(native_cpu.ENV_ISA, "default")
-    assert native_cpu.isa() == "default" and native_cpu.load().isa() == "DEFAULT"
+def test_an_isa_this_cpu_cannot_run_is_refused_with_the_ones_it_can():
+    with pytest.raises(RuntimeError, match="unknown ISA 'sse9'"):
+        torch.ops.mla_native.set_isa("sse9")
+    for isa in set(native_cpu.ISAS) - set(ISAS):
+        with pytest.raises(RuntimeError, match=f"cannot run the {isa} build"):
+            torch.ops.mla_native.set_isa(isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_isa_override_at_import(isa):
+    """MLA_OPS_NATIVE_ISA, read when mla_ops is imported, picks the build (here in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = "import mla_ops; from mla_ops.backends import cpu_native; print(cpu_native.isa())"
+    env = dict(os.environ, **{native_cpu.ENV_ISA: isa, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == isa
 
 
 # ------------------------------------------------------------------------------------ decode attention
@@ -111,19 +135,19 @@ def _check_decode_accuracy(out, ref, exact, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64, 128])
-def test_decode_matches_reference(ext, dtype, block_size):
+def test_decode_matches_reference(isa, dtype, block_size):
     lens = [5, 1, 2 * block_size + 1, 300]
     args = _pool_case(dtype, block_size, lens)
     scale = (L + R) ** -0.5
-    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    out = native("mla_decode_attention", *args, scale)
     ref = torch.ops.mla.mla_decode_attention(*args, scale)
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], dtype)
 
 
-def _expected_bf16_engine(ext, amx: bool) -> str:
+def _expected_bf16_engine(isa: str, amx: bool) -> str:
     """The tile engine a build should pick for bf16 caches with L, R multiples of 32 on this CPU."""
-    if ext.isa() != "AVX512":
+    if isa != "avx512":
         return "fp32"
     if amx and torch.cpu._is_amx_tile_supported() and "DNNL_MAX_CPU_ISA" not in os.environ:
         return "amx"
@@ -134,7 +158,7 @@ def _expected_bf16_engine(ext, amx: bool) -> str:
 @pytest.mark.parametrize("heads", [1, 5, 16, 128])
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64])
 @pytest.mark.parametrize("fused", [True, False], ids=["pool-views", "two-caches"])
-def test_decode_bf16_tile_engines(ext, heads, block_size, fused, amx, monkeypatch):
+def test_decode_bf16_tile_engines(isa, heads, block_size, fused, amx, monkeypatch):
     """bf16 caches whose latent and rope dims are multiples of 32 take the AMX engine on CPUs whose
     oneDNN runs AMX tiles, the AVX512-BF16 dot-product engine where AMX is off (MLA_OPS_NATIVE_AMX=0)
     or absent, the fp32 engine elsewhere: against the fp64 oracle and the reference, over head counts
@@ -145,25 +169,25 @@ def test_decode_bf16_tile_engines(ext, heads, block_size, fused, amx, monkeypatc
         monkeypatch.setenv(native_cpu.ENV_AMX, "0")
     args = _pool_case(torch.bfloat16, block_size, [1, 31, 32, 33, 2 * block_size + 7, 300], L=96, R=32,
                       contiguous=not fused)
-    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == _expected_bf16_engine(ext, amx)
+    assert native_cpu.attention_engine(args[0], args[2], args[3]) == _expected_bf16_engine(isa, amx)
     scale = 128**-0.5
-    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    out = native("mla_decode_attention", *args, scale)
     ref = torch.ops.mla.mla_decode_attention(*args, scale)
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], torch.bfloat16)
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_decode_bf16_engines_at_v2_lite_dims(ext, batch, amx, monkeypatch):
+def test_decode_bf16_engines_at_v2_lite_dims(isa, batch, amx, monkeypatch):
     """V2-Lite dims (16 heads, 512 + 64) over 64-token blocks, 2000+ tokens: every tile one run of one
     block (the AMX engine reads the rows in place) but the split units' tails."""
     monkeypatch.setitem(globals(), "N", 16)
     if not amx:
         monkeypatch.setenv(native_cpu.ENV_AMX, "0")
     args = _pool_case(torch.bfloat16, 64, [2051, 64, 700][:batch], L=512, R=64)
-    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == _expected_bf16_engine(ext, amx)
+    assert native_cpu.attention_engine(args[0], args[2], args[3]) == _expected_bf16_engine(isa, amx)
     scale = 192**-0.5
-    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    out = native("mla_decode_attention", *args, scale)
     ref = torch.ops.mla.mla_decode_attention(*args, scale)
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], torch.bfloat16)
 
@@ -172,7 +196,7 @@ def test_decode_bf16_engines_at_v2_lite_dims(ext, batch, amx, monkeypatch):
 @pytest.mark.parametrize("heads", [9, 20, 24, 40])
 @pytest.mark.parametrize("dims", [(80, 16), (70, 6)], ids=["dims-of-16", "ragged-dims"])
 @pytest.mark.parametrize("fused", [True, False], ids=["pool-views", "two-caches"])
-def test_decode_fp32_engine_head_groups_and_row_orders(ext, dtype, heads, dims, fused, monkeypatch):
+def test_decode_fp32_engine_head_groups_and_row_orders(isa, dtype, heads, dims, fused, monkeypatch):
     """The fp32 engine (the one every dtype takes on an AVX2 or portable build): head counts that
     leave a partial vector of heads, or one vector after whole register blocks of heads (AVX2 holds
     the heads in the lanes, 16 per block); bf16 rows widened in lane order (dims in whole groups of
@@ -181,28 +205,28 @@ def test_decode_fp32_engine_head_groups_and_row_orders(ext, dtype, heads, dims, 
     monkeypatch.setitem(globals(), "N", heads)
     L_, R_ = dims
     args = _pool_case(dtype, 16, [1, 47, 48, 49, 150, 300], L=L_, R=R_, contiguous=not fused)
-    if dtype != torch.bfloat16 or ext.isa() != "AVX512":
-        assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == "fp32"
+    if dtype != torch.bfloat16 or isa != "avx512":
+        assert native_cpu.attention_engine(args[0], args[2], args[3]) == "fp32"
     scale = (L_ + R_) ** -0.5
-    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    out = native("mla_decode_attention", *args, scale)
     ref = torch.ops.mla.mla_decode_attention(*args, scale)
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
-def test_decode_engine_of_other_dtypes_and_dims_is_fp32(ext, dtype):
+def test_decode_engine_of_other_dtypes_and_dims_is_fp32(isa, dtype):
     args = _pool_case(dtype, 16, [5], L=96, R=32)
-    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == "fp32"
+    assert native_cpu.attention_engine(args[0], args[2], args[3]) == "fp32"
     args = _pool_case(torch.bfloat16, 16, [5], L=80, R=16)  # not multiples of 32
-    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == "fp32"
+    assert native_cpu.attention_engine(args[0], args[2], args[3]) == "fp32"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-def test_decode_contiguous_int64_and_tails(ext, dtype):
+def test_decode_contiguous_int64_and_tails(isa, dtype):
     """Contiguous caches, int64 indices, and dims that are no multiple of any vector width."""
     args = _pool_case(dtype, 16, [33, 200], L=67, R=10, contiguous=True, index_dtype=torch.int64)
     scale = 0.1
-    out = native_cpu.mla_decode_attention(*args, scale, _ext=ext)
+    out = native("mla_decode_attention", *args, scale)
     ref = torch.ops.mla.mla_decode_attention(*args, scale)
     _check_decode_accuracy(out, ref, mla_decode_attention_oracle(*args, scale)[0], dtype)
 
@@ -213,7 +237,7 @@ def test_decode_contiguous_int64_and_tails(ext, dtype):
     [[5000], [300, 7, 129], [65, 64, 1, 200, 90], [100, 110], [110, 100], [1051, 1050, 1049, 1047, 1046, 1045]],
     ids=["one", "three", "five", "cut-near-row-start", "cut-near-row-end", "near-equal"],
 )
-def test_decode_split_over_threads(ext, threads, lens):
+def test_decode_split_over_threads(isa, threads, lens):
     """The rows' positions, laid end to end, are cut into one equal slice per thread (split-K: none under 64
     positions; a cut within 16 positions of a row's edge moves to that edge), a row cut by a slice boundary is
     merged from its pieces, and a row held by one piece skips the merge. Every split agrees with the fp64 oracle,
@@ -226,9 +250,9 @@ def test_decode_split_over_threads(ext, threads, lens):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = native_cpu.mla_decode_attention(*args, 0.05, _ext=ext)
-        poisoned = native_cpu.mla_decode_attention(
-            q_latent, q_pe, poisoned_cache, value_cache, tables, seq_lens, 0.05, _ext=ext
+        out = native("mla_decode_attention", *args, 0.05)
+        poisoned = native("mla_decode_attention", 
+            q_latent, q_pe, poisoned_cache, value_cache, tables, seq_lens, 0.05
         )
     finally:
         torch.set_num_threads(previous)
@@ -238,7 +262,7 @@ def test_decode_split_over_threads(ext, threads, lens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-def test_decode_scratch_reused_across_call_sizes(ext, dtype):
+def test_decode_scratch_reused_across_call_sizes(isa, dtype):
     """A call's scratch (partials, staging rows, scores) is uninitialised memory a thread keeps from call to call up
     to a size, and fresh memory past it: a small call repeated after a larger one and after one past that size
     (eight single-thread rows of 16 heads: 66k partial floats) gives the same bits as the first time."""
@@ -248,12 +272,12 @@ def test_decode_scratch_reused_across_call_sizes(ext, dtype):
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        first = native_cpu.mla_decode_attention(*small, 0.1, _ext=ext)
+        first = native("mla_decode_attention", *small, 0.1)
         for other in (larger, past_cache):
-            out = native_cpu.mla_decode_attention(*other, 0.1, _ext=ext)
+            out = native("mla_decode_attention", *other, 0.1)
             exact = mla_decode_attention_oracle(*other, 0.1)[0]
             assert (out.double() - exact).abs().max().item() <= _DECODE_TOL[dtype]
-            assert torch.equal(native_cpu.mla_decode_attention(*small, 0.1, _ext=ext), first)
+            assert torch.equal(native("mla_decode_attention", *small, 0.1), first)
     finally:
         torch.set_num_threads(previous)
     assert (first.double() - mla_decode_attention_oracle(*small, 0.1)[0]).abs().max().item() <= _DECODE_TOL[dtype]
@@ -261,13 +285,13 @@ def test_decode_scratch_reused_across_call_sizes(ext, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
-def test_decode_unattended_poison_never_leaks(ext, dtype, poison):
+def test_decode_unattended_poison_never_leaks(isa, dtype, poison):
     """NaN/inf in slots past a row's length, in padding blocks and in blocks no row uses leaves the
     output bit for bit unchanged."""
     block_size, lens = 16, [20, 3, 33]
     q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(dtype, block_size, lens)
-    clean = native_cpu.mla_decode_attention(
-        q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1, _ext=ext
+    clean = native("mla_decode_attention", 
+        q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1
     )
     attended = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
     for b, n in enumerate(lens):
@@ -275,44 +299,19 @@ def test_decode_unattended_poison_never_leaks(ext, dtype, poison):
             attended[int(tables[b, t // block_size]), t % block_size] = True
     key_cache[~attended] = poison
     value_cache[~attended] = poison
-    poisoned = native_cpu.mla_decode_attention(
-        q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1, _ext=ext
+    poisoned = native("mla_decode_attention", 
+        q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1
     )
     assert torch.equal(poisoned, clean)
 
 
-def test_decode_empty_batch(ext):
+def test_decode_empty_batch(isa):
     args = _pool_case(torch.bfloat16, 16, [1])
     q_latent, q_pe, key_cache, value_cache, tables, seq_lens = args
-    out = native_cpu.mla_decode_attention(
-        q_latent[:0], q_pe[:0], key_cache, value_cache, tables[:0], seq_lens[:0], 0.1, _ext=ext
+    out = native("mla_decode_attention", 
+        q_latent[:0], q_pe[:0], key_cache, value_cache, tables[:0], seq_lens[:0], 0.1
     )
     assert out.shape == (0, N, L)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-def test_decode_unvalidated_zero_rows_and_bad_ids(ext, dtype):
-    """validate=False (the kernel's own guarantees): length 0 -> zeros; lengths past the table are
-    clamped; out-of-range ids are skipped, never read; the other rows are unaffected."""
-    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(dtype, 16, [20, 7, 9, 40])
-    good = ext.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1)
-    lens = seq_lens.clone()
-    lens[1] = 0
-    lens[2] = -5
-    tables_bad = tables.clone()
-    tables_bad[3, 1] = 2**31 - 1  # tokens 16..31 of row 3 skipped
-    tables_bad[3, 2] = -7  # tokens 32..39 skipped
-    out = ext.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables_bad, lens, 0.1,
-                                   validate_values=False)
-    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[2], torch.zeros_like(out[2]))
-    assert torch.equal(out[0], good[0])
-    only_first = seq_lens.clone()
-    only_first[3] = 16
-    expect3 = ext.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, only_first, 0.1)[3]
-    torch.testing.assert_close(out[3], expect3, atol=0, rtol=0)
-    huge = torch.full_like(seq_lens, 10**6)  # clamped to the table's capacity
-    out = ext.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, huge, 0.1, validate_values=False)
-    assert out.shape == q_latent.shape
 
 
 DECODE_BAD = [
@@ -324,19 +323,19 @@ DECODE_BAD = [
 
 
 @pytest.mark.parametrize("case", DECODE_BAD, ids=[c[0] for c in DECODE_BAD])
-def test_decode_bad_values_same_error(ext, case):
+def test_decode_bad_values_same_error(isa, case):
     q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(torch.float32, 16, [20, 7])
     tables, seq_lens = case[1](tables, seq_lens)
     with pytest.raises(ValueError) as expected, mla_ops.use_backend("reference"):
         torch.ops.mla.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1)
     with pytest.raises(ValueError) as got:
-        native_cpu.mla_decode_attention(
-            q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1, _ext=ext
+        native("mla_decode_attention", 
+            q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1
         )
     assert str(got.value) == str(expected.value)
 
 
-def test_decode_float64_is_served_by_the_reference_and_explained(ext):
+def test_decode_float64_is_served_by_the_reference_and_explained(isa):
     args = _pool_case(torch.float64, 16, [20, 7])
     expected = torch.ops.mla.mla_decode_attention(*args, 0.1)
     with mla_ops.use_backend("auto"):
@@ -392,40 +391,40 @@ def _assert_identical(outs, refs):
         (1, 40, False, "batched"),
     ],
 )
-def test_kv_prolog_bit_identical(ext, dtype, layout, B, S, bias, tables):
+def test_kv_prolog_bit_identical(isa, dtype, layout, B, S, bias, tables):
     args, kwargs = _prolog_case(dtype, B, S, bias=bias, tables=tables)
     ref = torch.ops.mla.kv_prolog(*args, **kwargs, rope_layout=layout, eps=1e-5)
-    out = native_cpu.kv_prolog(*args, **kwargs, rope_layout=layout, eps=1e-5, _ext=ext)
+    out = native("kv_prolog", *args, **kwargs, rope_layout=layout, eps=1e-5)
     _assert_identical(out, ref)
     hidden, kv_a, kv_a_b, norm_w, _, cos, sin = args
     ref = torch.ops.mla.latent_kv_prolog(hidden, kv_a, kv_a_b, norm_w, cos, sin, rope_layout=layout)
-    out = native_cpu.latent_kv_prolog(hidden, kv_a, kv_a_b, norm_w, cos, sin, rope_layout=layout, _ext=ext)
+    out = native("latent_kv_prolog", hidden, kv_a, kv_a_b, norm_w, cos, sin, rope_layout=layout)
     _assert_identical(out, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
-def test_kv_prolog_v2_lite_dims(ext, dtype):
+def test_kv_prolog_v2_lite_dims(isa, dtype):
     """DeepSeek-V2-Lite's real dims: H=2048, L=512, R=64, N=16, P=V=128."""
     args, kwargs = _prolog_case(dtype, 1, 3, H=2048, Lr=512, Rr=64, heads=16, P=128, V=128)
     _assert_identical(
-        native_cpu.kv_prolog(*args, **kwargs, _ext=ext), torch.ops.mla.kv_prolog(*args, **kwargs)
+        native("kv_prolog", *args, **kwargs), torch.ops.mla.kv_prolog(*args, **kwargs)
     )
 
 
 @pytest.mark.parametrize("B,S", [(0, 3), (2, 0)])
-def test_kv_prolog_empty(ext, B, S):
+def test_kv_prolog_empty(isa, B, S):
     args, kwargs = _prolog_case(torch.bfloat16, B, S, tables="unbatched")
     _assert_identical(
-        native_cpu.kv_prolog(*args, **kwargs, _ext=ext), torch.ops.mla.kv_prolog(*args, **kwargs)
+        native("kv_prolog", *args, **kwargs), torch.ops.mla.kv_prolog(*args, **kwargs)
     )
     hidden, kv_a, kv_a_b, norm_w, _, cos, sin = args
     _assert_identical(
-        native_cpu.latent_kv_prolog(hidden, kv_a, kv_a_b, norm_w, cos, sin, _ext=ext),
+        native("latent_kv_prolog", hidden, kv_a, kv_a_b, norm_w, cos, sin),
         torch.ops.mla.latent_kv_prolog(hidden, kv_a, kv_a_b, norm_w, cos, sin),
     )
 
 
-def test_kv_prolog_float64_is_served_by_the_reference(ext):
+def test_kv_prolog_float64_is_served_by_the_reference(isa):
     args, kwargs = _prolog_case(torch.float64, 2, 3)
     expected = torch.ops.mla.kv_prolog(*args, **kwargs)
     with mla_ops.use_backend("auto"):
@@ -433,7 +432,7 @@ def test_kv_prolog_float64_is_served_by_the_reference(ext):
         _assert_identical(torch.ops.mla.kv_prolog(*args, **kwargs), expected)
 
 
-def test_kv_prolog_with_pair_major_tables_is_served_by_the_reference(ext):
+def test_kv_prolog_with_pair_major_tables_is_served_by_the_reference(isa):
     """transformers 4.54 - 5.1x hand DeepSeek-V2 a transposed freqs tensor, so cos/sin step through
     positions faster than through pairs; the stock RoPE's rounding over that layout is ATen's, which the
     reference kernel shares and the vectorised native formula does not: auto picks the reference."""
@@ -450,6 +449,45 @@ def test_kv_prolog_with_pair_major_tables_is_served_by_the_reference(ext):
         _assert_identical(torch.ops.mla.kv_prolog(*args, **kwargs), kv_prolog_reference(*args, **kwargs))
 
 
+# ------------------------------------------------------------------------------------------- rms_norm
+# (weight dtype, x dtype): the same dtype, or an fp32 weight (output fp32)
+RMS_DTYPES = [(d, d) for d in DTYPES] + [(torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("weight_dtype,dtype", RMS_DTYPES, ids=[f"{str(w)[6:]}-{str(d)[6:]}" for w, d in RMS_DTYPES])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (3, 5, 512), (7, 67), (4, 1, 13), (2, 0, 64), (300, 96)],
+                         ids=["decode-token", "batch-seq", "ragged-tail", "short-rows", "empty", "many-rows"])
+def test_rms_norm_bit_identical_to_the_reference(isa, weight_dtype, dtype, shape):
+    """The reference is bit-identical to transformers' DeepseekV2RMSNorm; the native kernel to the reference,
+    for every ISA build, vector body and scalar tail, one row or many."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    weight = (1.0 + 0.1 * torch.randn(shape[-1], generator=g)).to(weight_dtype)
+    for eps in (1e-6, 1e-5, 0.0):
+        want = torch.ops.mla.rms_norm(x, weight, eps)  # the reference (this file's default)
+        got = native("rms_norm", x, weight, eps)
+        assert got.dtype == want.dtype == torch.promote_types(weight_dtype, dtype) and got.shape == x.shape
+        assert torch.equal(got, want), (eps, (got.float() - want.float()).abs().max())
+
+
+def test_rms_norm_declines_what_the_reference_serves_with_the_reason(isa):
+    x = torch.randn(4, 6, 32)
+    cases = {
+        "x is not contiguous": (x.transpose(0, 1), torch.ones(32)),
+        "weight torch.bfloat16 with x torch.float32": (x, torch.ones(32, dtype=torch.bfloat16)),
+        "torch.float64 is not served by the native kernels": (x.double(), torch.ones(32, dtype=torch.float64)),
+    }
+    for reason, (xi, w) in cases.items():
+        with mla_ops.use_backend("auto"):
+            assert reason in mla_ops.explain("rms_norm", xi, w, 1e-6)
+        with pytest.raises(NotImplementedError, match=reason):
+            native("rms_norm", xi, w, 1e-6)
+        with mla_ops.use_backend("reference"):
+            expected = torch.ops.mla.rms_norm(xi, w, 1e-6)
+        with mla_ops.use_backend("auto"):
+            assert torch.equal(torch.ops.mla.rms_norm(xi, w, 1e-6), expected)
+
+
 # ------------------------------------------------------------------------------------- gather / scatter
 
 
@@ -464,7 +502,7 @@ def _split_pool(dtype, num_blocks, block_size, Lk=32, Rv=8, seed=0):
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64, 128])
 @pytest.mark.parametrize("layout", ["split", "dense"])
 @pytest.mark.parametrize("cumsum", [False, True], ids=["lens", "cumsum"])
-def test_gather_matches_reference(ext, dtype, block_size, layout, cumsum):
+def test_gather_matches_reference(isa, dtype, block_size, layout, cumsum):
     lens = [5, 0, 2 * block_size, block_size + 1, 1]
     if layout == "split":
         need = sum(-(-n // block_size) for n in lens) + 2
@@ -482,13 +520,13 @@ def test_gather_matches_reference(ext, dtype, block_size, layout, cumsum):
     torch.ops.mla.gather_pa_kv_cache(
         key_cache, value_cache, tables, seq_lens, rk, rv, is_seq_lens_cumsum=cumsum
     )
-    native_cpu.gather_pa_kv_cache(
-        key_cache, value_cache, tables, seq_lens, key, value, is_seq_lens_cumsum=cumsum, _ext=ext
+    native("gather_pa_kv_cache", 
+        key_cache, value_cache, tables, seq_lens, key, value, is_seq_lens_cumsum=cumsum
     )
     assert torch.equal(key, rk) and torch.equal(value, rv)
 
 
-def test_gather_seq_offset_and_strided_outputs(ext):
+def test_gather_seq_offset_and_strided_outputs(isa):
     block_size, lens, offsets = 4, [6, 3, 9], [4, 0, 8]
     key_cache, value_cache, tables, cum, offs = paged_case(
         40, block_size, lens, key_shape=(1, 16), value_shape=(1, 8), offsets=offsets, columns=6
@@ -500,12 +538,12 @@ def test_gather_seq_offset_and_strided_outputs(ext):
     torch.ops.mla.gather_pa_kv_cache(
         key_cache, value_cache, tables, cum, rk, rv, seq_offset=offs, is_seq_lens_cumsum=True
     )
-    native_cpu.gather_pa_kv_cache(
-        key_cache, value_cache, tables, cum, key, value, seq_offset=offs, is_seq_lens_cumsum=True, _ext=ext
+    native("gather_pa_kv_cache", 
+        key_cache, value_cache, tables, cum, key, value, seq_offset=offs, is_seq_lens_cumsum=True
     )
     assert torch.equal(key, rk) and torch.equal(value, rv)
     assert torch.equal(out_pool[..., 16:20], torch.zeros_like(out_pool[..., 16:20]))  # gaps untouched
-    kf, vf = native_cpu.gather_pa_kv_cache_functional(
+    kf, vf = native("gather_pa_kv_cache_functional", 
         key_cache,
         value_cache,
         tables,
@@ -514,13 +552,12 @@ def test_gather_seq_offset_and_strided_outputs(ext):
         value * 0,
         seq_offset=offs,
         is_seq_lens_cumsum=True,
-        _ext=ext,
-    )
+            )
     assert torch.equal(kf, rk) and torch.equal(vf, rv)
 
 
 @pytest.mark.parametrize("layout", ["row-major", "size-1 dim strided", "transposed"])
-def test_gather_functional_outputs_are_clones_in_the_inputs_layout(ext, layout):
+def test_gather_functional_outputs_are_clones_in_the_inputs_layout(isa, layout):
     """The functional gather's outputs are copies of key / value (their rows beyond the gathered ones
     included) with empty_like's strides, the layout its fake kernel promises, for every input layout."""
     block_size, lens = 4, [6, 3]
@@ -535,8 +572,8 @@ def test_gather_functional_outputs_are_clones_in_the_inputs_layout(ext, layout):
         value = torch.randn(8, 1, rows).to(dtype).permute(2, 1, 0)
     rk, rv = key.clone(), value.clone()
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, cum, rk, rv, is_seq_lens_cumsum=True)
-    kf, vf = native_cpu.gather_pa_kv_cache_functional(
-        key_cache, value_cache, tables, cum, key, value, is_seq_lens_cumsum=True, _ext=ext
+    kf, vf = native("gather_pa_kv_cache_functional", 
+        key_cache, value_cache, tables, cum, key, value, is_seq_lens_cumsum=True
     )
     assert torch.equal(kf, rk) and torch.equal(vf, rv)
     assert kf.stride() == torch.empty_like(key).stride() and vf.stride() == torch.empty_like(value).stride()
@@ -557,7 +594,7 @@ GATHER_BAD = {
 
 
 @pytest.mark.parametrize("case", GATHER_BAD.values(), ids=GATHER_BAD.keys())
-def test_gather_bad_values_same_error_nothing_written(ext, case):
+def test_gather_bad_values_same_error_nothing_written(isa, case):
     key_cache, value_cache = _split_pool(torch.float32, 10, 4)
     tables = torch.arange(8, dtype=torch.int32).view(2, 4)
     if "bad_id" in case:
@@ -578,7 +615,7 @@ def test_gather_bad_values_same_error_nothing_written(ext, case):
             **kwargs,
         )
     with pytest.raises(ValueError) as got:
-        native_cpu.gather_pa_kv_cache(
+        native("gather_pa_kv_cache", 
             key_cache,
             value_cache,
             tables[: len(seq_lens) - kwargs["is_seq_lens_cumsum"]],
@@ -586,8 +623,7 @@ def test_gather_bad_values_same_error_nothing_written(ext, case):
             key,
             value,
             **kwargs,
-            _ext=ext,
-        )
+                    )
     assert str(got.value) == str(expected.value)
     assert not key.any() and not value.any()  # nothing written
 
@@ -595,7 +631,7 @@ def test_gather_bad_values_same_error_nothing_written(ext, case):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64, 128])
 @pytest.mark.parametrize("layout", ["split", "dense"])
-def test_scatter_matches_reference(ext, dtype, block_size, layout):
+def test_scatter_matches_reference(isa, dtype, block_size, layout):
     num_blocks = 6
     if layout == "split":
         key_cache, value_cache = _split_pool(dtype, num_blocks, block_size)
@@ -612,22 +648,22 @@ def test_scatter_matches_reference(ext, dtype, block_size, layout):
     value = torch.randn(T, *value_cache.shape[2:]).to(dtype)
     rkc, rvc = key_cache.clone(), value_cache.clone()
     torch.ops.mla.scatter_pa_kv_cache(key, value, rkc, rvc, slots)
-    native_cpu.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots.to(torch.int32), _ext=ext)
+    native("scatter_pa_kv_cache", key, value, key_cache, value_cache, slots.to(torch.int32))
     assert torch.equal(key_cache, rkc) and torch.equal(value_cache, rvc)
 
 
-def test_scatter_strided_tokens(ext):
+def test_scatter_strided_tokens(isa):
     key_cache, value_cache = _split_pool(torch.bfloat16, 4, 16)
     src = torch.randn(10, 1, 50).to(torch.bfloat16)
     key, value = src[..., :32], src[..., 40:48]
     slots = torch.arange(3, 13)
     rkc, rvc = key_cache.clone(), value_cache.clone()
     torch.ops.mla.scatter_pa_kv_cache(key, value, rkc, rvc, slots)
-    native_cpu.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots, _ext=ext)
+    native("scatter_pa_kv_cache", key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, rkc) and torch.equal(value_cache, rvc)
 
 
-def test_scatter_bad_slot_same_error_nothing_written(ext):
+def test_scatter_bad_slot_same_error_nothing_written(isa):
     key_cache, value_cache = _split_pool(torch.float32, 4, 16)
     before_k, before_v = key_cache.clone(), value_cache.clone()
     key, value = torch.randn(5, 1, 32), torch.randn(5, 1, 8)
@@ -635,7 +671,7 @@ def test_scatter_bad_slot_same_error_nothing_written(ext):
     with pytest.raises(ValueError) as expected:
         torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache.clone(), value_cache.clone(), slots)
     with pytest.raises(ValueError) as got:
-        native_cpu.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots, _ext=ext)
+        native("scatter_pa_kv_cache", key, value, key_cache, value_cache, slots)
     assert str(got.value) == str(expected.value)
     assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
 
@@ -678,7 +714,7 @@ def _token_positions(seq_lens, starts):
 @pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "prefill-chunk"])
-def test_indexer_random_floats_at_v32_dims(ext, dtype, q_len, amx, monkeypatch):
+def test_indexer_random_floats_at_v32_dims(isa, dtype, q_len, amx, monkeypatch):
     """DeepSeek-V3.2's indexer (64 heads x 128, top-2048) over ~3000 cached tokens: the native top-k
     equals the reference's except for positions whose exact score lies within a relative 1e-5 of the
     k-th (where the two summation orders may rank differently), and is in descending score order; bf16
@@ -689,7 +725,7 @@ def test_indexer_random_floats_at_v32_dims(ext, dtype, q_len, amx, monkeypatch):
     q, weights, k_cache, keys, tables, seq_lens, starts = _indexer_case(
         dtype, [3000 + q_len, 700], [q_len, 1], heads=64, dim=128, block_size=64, seed=q_len)
     args = (q, weights, k_cache, tables, seq_lens, starts, topk, scale)
-    got = native_cpu.lightning_indexer(*args, _ext=ext)
+    got = native("lightning_indexer", *args)
     want = torch.ops.mla.lightning_indexer(*args)
     assert got.shape == want.shape and got.dtype == torch.int32
     for t, (b, p) in enumerate(_token_positions(seq_lens, starts)):
@@ -748,7 +784,7 @@ _SPARSE_TOL = {torch.float32: 64 * 2.0**-23, torch.bfloat16: 2 * 2.0**-7, torch.
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_sparse_attention_matches_reference(ext, dtype, block_size):
+def test_sparse_attention_matches_reference(isa, dtype, block_size):
     """Mixed requests (a prefill chunk, decode steps, an idle request), repeats and -1 in the lists, a
     token that lists nothing: within the case database's bound of the fp64 result, like the reference."""
     seq_lens, q_lens = [50, 1, 300, 7], [5, 1, 1, 0]
@@ -766,7 +802,7 @@ def test_sparse_attention_matches_reference(ext, dtype, block_size):
     indices[2] = -1  # lists nothing: zeros
     args = (*args[:-1], indices)
     scale = 80**-0.5
-    got = native_cpu.sparse_mla_attention(*args, scale, _ext=ext)
+    got = native("sparse_mla_attention", *args, scale)
     want = torch.ops.mla.sparse_mla_attention(*args, scale)
     exact = _sparse_exact(*args, scale)
     assert got.shape == want.shape and got.dtype == dtype
@@ -776,7 +812,7 @@ def test_sparse_attention_matches_reference(ext, dtype, block_size):
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
 @pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "prefill-chunk"])
-def test_sparse_attention_of_the_indexers_choice_at_v32_dims(ext, q_len, amx, monkeypatch):
+def test_sparse_attention_of_the_indexers_choice_at_v32_dims(isa, q_len, amx, monkeypatch):
     """The indexer's top-2048 of ~3000 tokens attended with DeepSeek-V3.2's latent / rope dims (bf16;
     T = 1 splits the 2048 positions over the cores and merges them), on each bf16 tile engine the CPU
     has (AMX gathers the listed rows into its tile)."""
@@ -784,18 +820,18 @@ def test_sparse_attention_of_the_indexers_choice_at_v32_dims(ext, q_len, amx, mo
         monkeypatch.setenv(native_cpu.ENV_AMX, "0")
     q, weights, k_cache, _, tables, seq_lens, starts = _indexer_case(
         torch.bfloat16, [3000 + q_len], [q_len], heads=64, dim=128, block_size=64, seed=3)
-    topk = native_cpu.lightning_indexer(q, weights, k_cache, tables, seq_lens, starts, 2048, 128**-0.5, _ext=ext)
+    topk = native("lightning_indexer", q, weights, k_cache, tables, seq_lens, starts, 2048, 128**-0.5)
     args = _sparse_case(torch.bfloat16, tables, seq_lens, starts, topk=2048, heads=16 if q_len > 1 else 128, L=512,
                         R=64, block_size=64, indices=topk)
-    assert native_cpu.attention_engine(args[0], args[2], args[3], _ext=ext) == _expected_bf16_engine(ext, amx)
+    assert native_cpu.attention_engine(args[0], args[2], args[3]) == _expected_bf16_engine(isa, amx)
     scale = 192**-0.5
-    got = native_cpu.sparse_mla_attention(*args, scale, _ext=ext)
+    got = native("sparse_mla_attention", *args, scale)
     want = torch.ops.mla.sparse_mla_attention(*args, scale)
     exact = _sparse_exact(*args, scale)
     assert normalised_error(got, exact) <= max(_SPARSE_TOL[torch.bfloat16], normalised_error(want, exact))
 
 
-def test_sparse_bad_index_same_error(ext):
+def test_sparse_bad_index_same_error(isa):
     args = _sparse_case(torch.float32, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]),
                         torch.tensor([0, 2], dtype=torch.int32), topk=4, heads=2, L=16, R=8)
     indices = args[-1].clone()
@@ -804,12 +840,12 @@ def test_sparse_bad_index_same_error(ext):
     with pytest.raises(ValueError) as expected:
         torch.ops.mla.sparse_mla_attention(*args, 0.1)
     with pytest.raises(ValueError) as got:
-        native_cpu.sparse_mla_attention(*args, 0.1, _ext=ext)
+        native("sparse_mla_attention", *args, 0.1)
     assert str(got.value) == str(expected.value)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-def test_indexer_ties_nan_and_strided_keys(ext, dtype):
+def test_indexer_ties_nan_and_strided_keys(isa, dtype):
     """Exact scores (integer inputs) with many ties, NaN and inf keys, a strided key pool and fp16/bf16
     weights: bit-identical to the reference."""
     q, weights, k_cache, _, tables, seq_lens, starts = _indexer_case(dtype, [37, 70], [4, 2], heads=3, dim=20,
@@ -820,12 +856,12 @@ def test_indexer_ties_nan_and_strided_keys(ext, dtype):
     k_cache[1, 2, 0, :] = float("inf")
     weights = weights.sign().to(dtype)
     args = (q, weights, k_cache, tables, seq_lens, starts, 16, 0.5)
-    assert torch.equal(native_cpu.lightning_indexer(*args, _ext=ext), torch.ops.mla.lightning_indexer(*args))
+    assert torch.equal(native("lightning_indexer", *args), torch.ops.mla.lightning_indexer(*args))
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
 @pytest.mark.parametrize("heads", [3, 64])
-def test_indexer_exact_ties_nan_and_inf_on_every_bf16_engine(ext, heads, amx, monkeypatch):
+def test_indexer_exact_ties_nan_and_inf_on_every_bf16_engine(isa, heads, amx, monkeypatch):
     """bf16 keys with unit-stride rows and 32-multiple dims (the AMX scorer's, where the CPU has AMX
     tiles): integer inputs, so every summation order gives the exact scores, with many ties, a NaN and
     an inf key, prefill chunks and decode tokens, tiles of keys across blocks: bit-identical to the
@@ -839,10 +875,10 @@ def test_indexer_exact_ties_nan_and_inf_on_every_bf16_engine(ext, heads, amx, mo
     k_cache[1, 2, 0, :] = float("inf")
     weights = weights.sign()
     args = (q, weights, k_cache, tables, seq_lens, starts, 24, 0.5)
-    assert torch.equal(native_cpu.lightning_indexer(*args, _ext=ext), torch.ops.mla.lightning_indexer(*args))
+    assert torch.equal(native("lightning_indexer", *args), torch.ops.mla.lightning_indexer(*args))
 
 
-def test_sparse_attention_float64_and_strided_caches_are_served_by_the_reference(ext):
+def test_sparse_attention_float64_and_strided_caches_are_served_by_the_reference(isa):
     args = _sparse_case(torch.float32, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]),
                         torch.tensor([0, 2], dtype=torch.int32), topk=4, heads=2, L=16, R=8)
     strided = (*args[:2], args[2].transpose(1, 3).contiguous().transpose(1, 3), *args[3:])  # last dim stride 16
@@ -856,13 +892,13 @@ def test_sparse_attention_float64_and_strided_caches_are_served_by_the_reference
             assert torch.equal(torch.ops.mla.sparse_mla_attention(*call, 0.1), expected)
 
 
-def test_scatter_pa_cache_matches_reference(ext):
+def test_scatter_pa_cache_matches_reference(isa):
     cache = torch.randn(6, 16, 1, 128).to(torch.bfloat16)
     key = torch.randn(20, 1, 128).to(torch.bfloat16)
     slots = torch.tensor(list(range(16, 32)) + [3, -1, 95, 40])
     want = cache.clone()
     torch.ops.mla.scatter_pa_cache(key, want, slots)
-    native_cpu.scatter_pa_cache(key, cache, slots, _ext=ext)
+    native("scatter_pa_cache", key, cache, slots)
     assert torch.equal(cache, want)
 
 
@@ -870,11 +906,11 @@ def test_scatter_pa_cache_matches_reference(ext):
 
 
 @pytest.fixture
-def native_registered(ext):
-    """The cpu_native backend bound to the ops, with this fixture's ISA build (restored after)."""
-    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("cpu_native"):
-        assert ("kv_prolog", "cpu", "cpu_native") in mla_ops.backends.bound_report()
-        yield ext
+def native_registered(isa):
+    """cpu_native requested by name for the ops, with this fixture's ISA build."""
+    with mla_ops.use_backend("cpu_native"):
+        assert ("kv_prolog", "cpu", "cpu_native") in mla_ops.backends.serving_report()  # a demand: no fallback
+        yield isa
 
 
 # ------------------------------------------------------------------------------ on the dispatcher
@@ -916,19 +952,20 @@ def _tiny_calls():
         "kv_prolog": lambda: torch.ops.mla.kv_prolog(*prolog_args, **prolog_kwargs),
         "latent_kv_prolog": lambda: torch.ops.mla.latent_kv_prolog(*prolog_args[:4], *prolog_args[5:]),
         "scatter_pa_cache": lambda: torch.ops.mla.scatter_pa_cache(key, key_cache, slots),
+        "rms_norm": lambda: torch.ops.mla.rms_norm(prolog_args[0], torch.ones(prolog_args[0].shape[-1]), 1e-6),
         "lightning_indexer": lambda: torch.ops.mla.lightning_indexer(
             q, weights, k_cache, sparse_tables, sparse_lens, starts, 8, 0.25),
         "sparse_mla_attention": lambda: torch.ops.mla.sparse_mla_attention(*sparse, 0.1),
     }
 
 
-def test_every_dispatcher_op_has_a_tiny_call(ext):
+def test_every_dispatcher_op_has_a_tiny_call(isa):
     """The no-Python test below, and the benchmark's fixed cost of a call, cover every op the extension
     serves from the dispatcher."""
     from mla_ops.bench.native import tiny_arguments
 
-    assert set(_tiny_calls()) == set(ext.dispatcher_ops())
-    assert set(tiny_arguments()) == set(ext.dispatcher_ops())
+    assert set(_tiny_calls()) == set(native_cpu.NATIVE_OPS)
+    assert set(tiny_arguments()) == set(native_cpu.NATIVE_OPS)
 
 
 def test_the_benchmarks_entry_floor_twins_do_no_work():
@@ -953,21 +990,21 @@ def test_the_benchmarks_entry_floor_twins_do_no_work():
 
 @pytest.mark.parametrize("op", list(_tiny_calls()))
 @pytest.mark.parametrize("grad_mode", ["no_grad", "grad enabled, no input requires grad"])
-def test_a_native_call_runs_no_python_of_the_package(ext, op, grad_mode):
+def test_a_native_call_runs_no_python_of_the_package(isa, op, grad_mode):
     """With cpu_native the automatic choice, `torch.ops.mla.<op>` on CPU tensors goes from the dispatcher
     to the C++ kernel: no Python frame of mla_ops (check, chooser, autograd wrapper) on the way."""
     call = _tiny_calls()[op]
-    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"):
+    with mla_ops.use_backend("auto"):
         with torch.no_grad() if grad_mode == "no_grad" else torch.enable_grad():
             call()  # first call: lazy initialisation is not the steady state
             assert _python_frames_of_mla_ops(call) == []
 
 
-def test_a_call_the_native_kernel_cannot_serve_goes_to_the_reference_kernel(ext):
+def test_a_call_the_native_kernel_cannot_serve_goes_to_the_reference_kernel(isa):
     """float64 is not served natively: the C++ kernel hands the call to the reference (Python) kernel."""
     args = _pool_case(torch.float64, 16, [20, 7])
     expected = torch.ops.mla.mla_decode_attention(*args, 0.1)  # the reference (this file's default)
-    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"):
+    with mla_ops.use_backend("auto"):
         frames = _python_frames_of_mla_ops(lambda: torch.ops.mla.mla_decode_attention(*args, 0.1))
         assert any("mla_decode_attention_reference" in f for f in frames), frames
         assert torch.equal(torch.ops.mla.mla_decode_attention(*args, 0.1), expected)
@@ -983,7 +1020,7 @@ def test_a_demanded_native_backend_refuses_from_cpp_with_the_backend_layers_mess
     assert str(refused.value) == expected
 
 
-def test_gradients_through_the_native_prolog_equal_the_reference(ext):
+def test_gradients_through_the_native_prolog_equal_the_reference(isa):
     """Inputs that require grad leave the C++ fast path for the op's autograd formula, whose forward is
     the native kernel again; gradients equal the reference's (fp32)."""
     args, kwargs = _prolog_case(torch.float32, 2, 3, bias=True)
@@ -995,28 +1032,55 @@ def test_gradients_through_the_native_prolog_equal_the_reference(ext):
         return [leaf.grad for leaf in leaves if leaf is not None]
 
     expected = grads()  # reference
-    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"):
+    with mla_ops.use_backend("auto"):
         got = grads()
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-def test_the_native_write_ops_bump_the_version_of_what_they_write(ext):
+def test_the_native_write_ops_bump_the_version_of_what_they_write(isa):
     """What ADInplaceOrView does for ATen's in-place ops: autograd can tell a cache was modified."""
     key, value = torch.randn(2, 1, L), torch.randn(2, 1, R)
     key_cache, value_cache = torch.zeros(4, 16, 1, L), torch.zeros(4, 16, 1, R)
     before = (key_cache._version, value_cache._version)
-    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"), torch.no_grad():
+    with mla_ops.use_backend("auto"), torch.no_grad():
         torch.ops.mla.scatter_pa_kv_cache(key, value, key_cache, value_cache, torch.tensor([0, 17]))
     assert key_cache._version > before[0] and value_cache._version > before[1]
     assert torch.equal(key_cache[1, 1], key[1])
 
 
-def test_unbinding_removes_the_cpp_registrations(ext):
-    with native_cpu.use_isa(ext.isa().lower()), mla_ops.use_backend("auto"):
-        assert "registration.cpp" in mla_ops.backends.bound_registrations("scatter_pa_kv_cache")["CPU"]
-    dump = torch._C._dispatch_dump("mla::scatter_pa_kv_cache")  # this file's default: the reference
-    assert "registration.cpp" not in dump, dump
+def test_changing_the_backend_registers_nothing_and_takes_effect_at_the_next_call(isa):
+    """The backend setting is read by the calls (the C++ kernel's route): switching it leaves the dispatcher's
+    registrations as they are, and the same compiled-in kernel then serves, declines or refuses."""
+    args = _pool_case(torch.float64, 16, [20, 7])
+    dump = torch._C._dispatch_dump("mla::mla_decode_attention")
+    with mla_ops.use_backend("cpu_native"):
+        with pytest.raises(NotImplementedError, match="backend 'cpu_native' was requested"):
+            torch.ops.mla.mla_decode_attention(*args, 0.1)
+    with mla_ops.use_backend("auto"):
+        expected = torch.ops.mla.mla_decode_attention(*args, 0.1)  # handed to the reference kernel
+    assert torch.equal(torch.ops.mla.mla_decode_attention(*args, 0.1), expected)  # this file's default: reference
+    assert torch._C._dispatch_dump("mla::mla_decode_attention") == dump
+    assert "registration.cpp" in dump
+
+
+def test_a_graph_compiled_under_one_backend_follows_the_setting_when_it_runs(isa):
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens = _pool_case(torch.bfloat16, 16, [20, 7])
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def decode(q_latent, q_pe):
+        return torch.ops.mla.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1)
+
+    reference = decode(q_latent, q_pe)  # compiled under this file's "reference"
+    assert any("mla_decode_attention_reference" in f for f in _python_frames_of_mla_ops(lambda: decode(q_latent, q_pe)))
+    with mla_ops.use_backend("auto"):
+        served = decode(q_latent, q_pe)
+        assert not any("mla_ops/_library.py" in f or "mla_ops/ops/" in f
+                       for f in _python_frames_of_mla_ops(lambda: decode(q_latent, q_pe)))
+    assert torch.equal(reference, torch.ops.mla.mla_decode_attention(q_latent, q_pe, key_cache, value_cache, tables,
+                                                                       seq_lens, 0.1))
+    assert torch.equal(served, native("mla_decode_attention", q_latent, q_pe, key_cache, value_cache, tables,
+                                      seq_lens, 0.1))
 
 
 @pytest.mark.filterwarnings("ignore:Warning only once for all operators")
@@ -1053,7 +1117,7 @@ def test_opcheck_native(native_registered):
     # the registered kernel really is the native one: decode is not bit-equal to the reference's
     # bf16-rounded composition, but it is to the native function
     out = torch.ops.mla.mla_decode_attention(*dec, 0.1)
-    assert torch.equal(out, native_cpu.mla_decode_attention(*dec, 0.1, _ext=native_registered))
+    assert torch.equal(out, native("mla_decode_attention", *dec, 0.1))
 
 
 def test_reference_restored_after_the_native_binding():
@@ -1065,8 +1129,8 @@ def test_reference_restored_after_the_native_binding():
 
 def test_native_is_the_automatic_choice_on_cpu():
     with mla_ops.use_backend("auto"):
-        bound = {(op, dev): who for op, dev, who in mla_ops.backends.bound_report()}
-    assert bound[("gather_pa_kv_cache", "cpu")] == "cpu_native"  # no call-dependent reasons: bound directly
+        bound = {(op, dev): who for op, dev, who in mla_ops.backends.serving_report()}
+    assert bound[("gather_pa_kv_cache", "cpu")] == "cpu_native"  # it serves every call the op's check lets through
     assert bound[("scatter_pa_kv_cache", "cpu")] == "cpu_native"
     assert bound[("scatter_pa_cache", "cpu")] == "cpu_native"
     assert bound[("lightning_indexer", "cpu")] == "cpu_native or reference"
@@ -1074,7 +1138,7 @@ def test_native_is_the_automatic_choice_on_cpu():
     assert bound[("kv_prolog", "cpu")] == "cpu_native or reference"  # float64 goes to the reference
 
 
-def test_large_gather_scatter_streaming_path(ext):
+def test_large_gather_scatter_streaming_path(isa):
     """Calls over 24 MiB take the non-temporal-store path (x86 builds): still bit-exact, with rows of
     a split [NB, bs, 576] pool (1152-byte strides) and a partial tail block."""
     block_size, tokens = 16, 28 * 1024
@@ -1086,10 +1150,10 @@ def test_large_gather_scatter_streaming_path(ext):
     value = torch.zeros(tokens, 1, 64, dtype=torch.bfloat16)
     rk, rv = key.clone(), value.clone()
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, tables, lens, rk, rv)
-    native_cpu.gather_pa_kv_cache(key_cache, value_cache, tables, lens, key, value, _ext=ext)
+    native("gather_pa_kv_cache", key_cache, value_cache, tables, lens, key, value)
     assert torch.equal(key, rk) and torch.equal(value, rv)
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     rkc, rvc = key_cache.clone(), value_cache.clone()
     torch.ops.mla.scatter_pa_kv_cache(key, value, rkc, rvc, slots)
-    native_cpu.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots, _ext=ext)
+    native("scatter_pa_kv_cache", key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, rkc) and torch.equal(value_cache, rvc)

@@ -30,16 +30,17 @@ def run(code: str, *, autoload: str = "0", torchair: str = "", timeout: int = 30
 
 
 @pytest.mark.parametrize("autoload", ["0", "1"])
-def test_npu_kernels_are_bound_whichever_imports_first(autoload):
+def test_npu_kernels_serve_whichever_imports_first(autoload):
     """AUTOLOAD=1: `import torch` imports (the stand-in) torch_npu through its entry point, before
     mla_ops. AUTOLOAD=0: torch_npu is imported after mla_ops, as `mla-ops ask --device 0` does. Either
-    way kv_prolog on an npu tensor reaches the npu kernel through the dispatcher's PrivateUse1 key."""
+    way kv_prolog on an npu tensor reaches the npu kernel (through the op's CompositeExplicitAutograd entry,
+    where the backend layer serves every device but the native CPU kernels' own)."""
     run("""
         import os, torch
         loaded_first = "torch_npu" in sys.modules
         assert loaded_first == (os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "1"), loaded_first
         import mla_ops
-        assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::kv_prolog", "PrivateUse1")
+        assert ("kv_prolog", "npu", "npu") in mla_ops.backends.serving_report()
         import torch_npu, run_with_standin as d
         from utils import SMALL, prolog_inputs, prolog_kwargs
         args = [a.to("npu") if a is not None else None for a in prolog_inputs(SMALL, torch.bfloat16)]
@@ -204,7 +205,7 @@ def test_selftest_on_the_standin_npu():
     def row(check):
         return next(line for line in lines if line.startswith(check + " "))
 
-    for check in ("bound on PrivateUse1: kv_prolog", "kv_prolog path T=1 bf16 interleaved",
+    for check in ("served on npu: kv_prolog", "kv_prolog path T=1 bf16 interleaved",
                   "kv_prolog path T=17 fp16 half", "kv_prolog graph capture + replay"):
         assert " PASS " in row(check), row(check)
     for op, cases in CASES.items():
@@ -212,7 +213,7 @@ def test_selftest_on_the_standin_npu():
             assert " PASS " in row(f"{op} {name} bf16"), row(f"{op} {name} bf16")
     assert "PASS     npu (" in row("kv_prolog v2lite bf16")
     for op in sorted(NPU.kernels):
-        assert " PASS " in row(f"bound on PrivateUse1: {op}"), row(f"bound on PrivateUse1: {op}")
+        assert " PASS " in row(f"served on npu: {op}"), row(f"served on npu: {op}")
     for op in ("mla_decode_attention", "scatter_pa_kv_cache", "scatter_pa_cache", "q_prolog", "latent_kv_prolog"):
         check = row(f"{op} graph capture + replay")
         assert " PASS " in check and "npu (torch_npu" in check, check
@@ -263,7 +264,7 @@ def test_ascend_adapter_keeps_vllm_ascends_decode_while_no_npu_kernel_serves_it(
         from mla_ops import backends
         from mla_ops.backends import candidates, npu
         del npu.NPU.kernels["mla_decode_attention"]
-        backends.bind()
+        backends.apply_setting()
         assert [b.name for b in candidates("mla_decode_attention", "npu")] == ["reference"]
         state = ascend.register()
         print(state)
@@ -353,11 +354,10 @@ def run_sparse(code: str) -> str:
     return run(SPARSE_PRELUDE + textwrap.dedent(code))
 
 
-def test_sparse_ops_are_bound_to_torch_npus_fused_kernels():
+def test_sparse_ops_are_served_by_torch_npus_fused_kernels():
     run_sparse("""
         from mla_ops.backends import candidates
         for op in ("lightning_indexer", "sparse_mla_attention"):
-            assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::" + op, "PrivateUse1"), op
             assert [b.name for b in candidates(op, "npu")] == ["npu", "reference"], op
     """)
 
@@ -496,11 +496,10 @@ def run_paged(code: str) -> str:
     return run(PAGED_PRELUDE + textwrap.dedent(code))
 
 
-def test_paged_ops_and_prologs_are_bound_to_the_npu_backend():
+def test_paged_ops_and_prologs_are_served_by_the_npu_backend():
     run_paged("""
         from mla_ops.backends import candidates
         for op in ("mla_decode_attention", "scatter_pa_kv_cache", "scatter_pa_cache", "q_prolog", "latent_kv_prolog"):
-            assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::" + op, "PrivateUse1"), op
             assert [b.name for b in candidates(op, "npu")] == ["npu", "reference"], op
     """)
 

@@ -38,16 +38,19 @@ def test_selftest_on_cpu_covers_every_op_and_names_the_serving_backend(capsys):
 
 
 def test_a_wrong_kernel_fails_the_selftest(capsys):
-    """A kernel registered on the CPU key that scales its result by 1.01 is caught by the oracle."""
+    """A kernel registered on the CPU key (of an op no native kernel serves) that scales its result by 1.01 is
+    caught by the oracle."""
+    from mla_ops.ops.rope import rope_math
+
     wrong = torch.library.Library("mla", "IMPL")
     try:
-        def scaled_rms_norm(x, w, eps=1e-6):
-            return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * 1.01
+        def scaled_rope(x, cos, sin, *, layout="interleaved", compute_dtype="float32"):
+            return rope_math(x, cos, sin, layout, compute_dtype) * 1.01
 
-        wrong.impl("rms_norm", scaled_rms_norm, "CPU")
+        wrong.impl("rope", scaled_rope, "CPU")
         assert main(["selftest"]) == 1
     finally:
         wrong._destroy()
     rows, summary = _rows(capsys.readouterr().out)
-    assert " FAIL " in rows["rms_norm v2lite fp32"] and "vs oracle" in rows["rms_norm v2lite fp32"]
+    assert " FAIL " in rows["rope v2lite fp32"] and "vs oracle" in rows["rope v2lite fp32"]
     assert " 0 failed" not in summary

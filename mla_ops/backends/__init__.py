@@ -9,7 +9,7 @@ whatever the backend, so a bad call gets the same message everywhere).
 Backends (modules of this package):
 * ``reference`` — the torch kernels of `mla_ops.ops`; any device; the ground truth.
 * ``cpu_native`` — C++ kernels for the CPU (`mla_ops/csrc/cpu`), built with the package; the
-  automatic choice on CPU where a build imports.
+  automatic choice on CPU where the extension imports.
 * ``pypto_sim`` — the PyPTO kernels run on CPU by pypto's simulator (opt-in: tests, kernel work).
 * ``npu`` — Ascend NPU: torch_npu ops + PyPTO kernels, on PrivateUse1.
 
@@ -20,18 +20,18 @@ Choosing (`MLA_OPS_BACKEND` / `mla_ops.settings.set_backend`):
 * an explicit backend: a demand for the ops it declares — a call it cannot serve fails with its
   reasons instead of falling back; ops it has no kernel for keep the automatic choice.
 
-The choice is made once per (op, device type, setting), not per call: `bind()` attaches, for each
-op and dispatch key, either the chosen kernel itself or — when the first candidate has reasons that
-depend on the inputs — a small chooser walking the candidates. It runs at import and again whenever
-the setting changes. The reference kernels sit on CompositeExplicitAutograd (see `mla_ops._library`)
-and serve every device nothing else is bound for.
-
-A backend with C++ kernels can register them on the dispatcher itself (`Backend(cpu_registrar=...)`,
-the ``cpu_native`` backend): when it is the first choice for an op on CPU and only the reference
-kernel comes after it, `bind()` hands it the op, and `torch.ops.mla.<op>` on CPU tensors then runs no
-Python at all — the C++ kernel checks the arguments (the same messages as the Python checks), asks
-its own reasons, and hands a call it cannot serve to the reference kernel (automatic choice) or
-refuses it with the message below (a demand).
+The setting is one process-wide value, read when a call is made (a graph compiled under one setting
+calls whatever the setting is when it runs); changing it registers nothing. Calls reach the backends
+two ways:
+* a backend with C++ kernels registers them statically on the dispatcher's CPU key (``cpu_native``,
+  `Backend(static_cpu_kernels=...)`); for each of its ops the backend layer sets a *route* in the
+  extension: ``native`` (it is the automatic CPU choice: it serves what it can and hands the rest to
+  the reference kernel), ``demanded`` (requested by name: it refuses what it cannot serve) or
+  ``elsewhere`` (another backend is the choice: every call goes on). `torch.ops.mla.<op>` on CPU
+  tensors then runs no Python when the native kernel serves it;
+* everything else reaches the op's CompositeExplicitAutograd kernel (`mla_ops._library`), where
+  `serve` picks, per (op, device type, setting) and cached, the first candidate that can serve the
+  call: directly when it has no call-dependent reasons, else through a small chooser.
 """
 from __future__ import annotations
 
@@ -45,11 +45,8 @@ import torch
 
 from .. import settings as _settings_module
 from .._checks import memo_by_signature
-from .._library import NAMESPACE, OPS, checked_kernel
+from .._library import OPS, checked_kernel, route_composite_calls
 from ..settings import settings
-
-# Device types the backend layer binds kernels for, and their dispatch keys.
-DISPATCH_KEYS = {"cpu": "CPU", "npu": "PrivateUse1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,28 +57,19 @@ class Kernel:
     checks_arguments: bool = False      # fn runs the op's metadata check itself (in C++): not again before it
 
 
-class CpuRegistrar(Protocol):
-    """What a backend with C++ kernels offers `bind()` (the native extension module is one):
+class StaticCpuKernels(Protocol):
+    """What a backend with statically registered C++ CPU kernels offers the backend layer (the loaded
+    native extension is one):
 
-    * ``dispatcher_ops() -> list[str]``: the ops it can serve from the dispatcher;
-    * ``bind(requests)``: register, for each ``OpRequest(op, demand, refusal_head, refusal_tail)``, a
-      CPU kernel (checks, reasons, kernel; a call it cannot serve goes to the reference kernel, or with
-      ``demand`` raises NotImplementedError(refusal_head + "; ".join(reasons) + refusal_tail)) and an
-      AutogradCPU kernel (no input needs a gradient: straight to it; else the op's own Autograd
-      kernel). Replaces its earlier binding;
-    * ``unbind()``; ``registration_file() -> str`` (what the dispatcher records as their source);
-    * ``OpRequest``: the request type.
+    * ``ops() -> list[str]``: the ops it registered on the CPU (and AutogradCPU) key;
+    * ``set_route(op, route, refusal)``: route ``"native"``, ``"demanded"`` or ``"elsewhere"`` (see the
+      module docstring); `refusal` is the NotImplementedError text of a demand it cannot serve, with
+      ``{reasons}`` standing for its reasons.
     """
 
-    OpRequest: type
+    def ops(self) -> list[str]: ...
 
-    def dispatcher_ops(self) -> list[str]: ...
-
-    def bind(self, requests: list) -> None: ...
-
-    def unbind(self) -> None: ...
-
-    def registration_file(self) -> str: ...
+    def set_route(self, op: str, route: str, refusal: str) -> None: ...
 
 
 class Backend:
@@ -95,20 +83,22 @@ class Backend:
             heavy packages (probe with find_spec); the answer is cached.
         auto_priority: its rank in the automatic choice on its device types (lower is tried first);
             None: it serves only when requested by name. The reference kernels always come last.
-        cpu_registrar: () -> a `CpuRegistrar` (or None when unavailable): C++ kernels the backend
-            registers on the dispatcher itself for the ops it is the CPU choice of.
+        static_cpu_kernels: () -> its `StaticCpuKernels` (None while unavailable): C++ kernels registered
+            statically on the CPU key for its ops, routed by the backend layer. Such a backend is tried
+            before any other on CPU (its `auto_priority` must rank first), since its kernels see every
+            CPU call first.
     """
 
     def __init__(self, name: str, description: str, device_types: tuple[str, ...],
                  unavailable: Callable[[], Optional[str]] = lambda: None, *, auto_priority: Optional[int] = None,
-                 cpu_registrar: Optional[Callable[[], Optional[CpuRegistrar]]] = None):
+                 static_cpu_kernels: Optional[Callable[[], Optional[StaticCpuKernels]]] = None):
         if name in BACKENDS:
             raise RuntimeError(f"backend {name!r} is defined twice")
         self.name = name
         self.description = description
         self.device_types = device_types
         self.auto_priority = auto_priority
-        self.cpu_registrar = cpu_registrar
+        self.static_cpu_kernels = static_cpu_kernels
         self._unavailable = functools.lru_cache(maxsize=None)(unavailable)
         self.kernels: dict[str, Kernel] = {}
         BACKENDS[name] = self
@@ -257,15 +247,15 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------- binding
-_bound_lib: Optional[torch.library.Library] = None
-_bound: dict[tuple[str, str], str] = {}  # (op, device type) -> what serves it, for reports
-_registered: dict[tuple[str, str], str] = {}  # (op, dispatch key) -> the file that registered bind()'s kernel
-_bound_registrars: list = []  # the CpuRegistrars holding registrations made by the last bind()
+# ---------------------------------------------------------------------------------------- serving
+DEVICE_TYPES = ("cpu", "npu")  # the device types `serving_report` describes
+
+# (op, device type, setting) -> the kernel that serves such calls at the CompositeExplicitAutograd key
+_plans: dict[tuple[str, str, str], Callable] = {}
 
 
 def _chooser(op: str, options: tuple[Backend, ...], demand: bool) -> Callable:
-    """A kernel that picks the first of `options` (fixed at bind time) that can serve each call."""
+    """A kernel that picks the first of `options` that can serve each call."""
     def choose_and_run(*args, **kwargs):
         backend, _ = _pick(op, options, demand, args, kwargs)
         return backend.kernels[op].fn(*args, **kwargs)
@@ -274,72 +264,74 @@ def _chooser(op: str, options: tuple[Backend, ...], demand: bool) -> Callable:
     return choose_and_run
 
 
-def _cpu_registrar(op: str, device_type: str, options: tuple[Backend, ...]):
-    """The registrar of the first candidate when it can serve `op` from the dispatcher: C++ kernels on
-    the CPU key, with nothing but the reference kernel (its fallback) after it."""
+def _statically_served(backend: Backend, op: str, device_type: str) -> bool:
+    """Whether `backend`'s C++ kernel for `op` sees calls on `device_type` before the composite kernel
+    (so a call that gets there is one it declined or was routed past)."""
+    if device_type != "cpu" or backend.static_cpu_kernels is None or backend.unavailable_reason():
+        return False
+    kernels = backend.static_cpu_kernels()
+    return kernels is not None and op in kernels.ops()
+
+
+def _plan(op: str, device_type: str) -> Callable:
+    """The composite-key kernel for `op` on `device_type` under the current setting."""
+    opdef = OPS[op]
+    demand = _is_demand(op, settings.backend)
+    options = tuple(b for b in candidates(op, device_type) if not _statically_served(b, op, device_type))
+    if not options:
+        options = (REFERENCE,)
     first = options[0]
-    if DISPATCH_KEYS[device_type] != "CPU" or first.cpu_registrar is None or options[1:] not in ((), (REFERENCE,)):
-        return None
-    registrar = first.cpu_registrar()
-    return registrar if registrar is not None and op in registrar.dispatcher_ops() else None
+    kernel = first.kernels[op]
+    if kernel.reasons is None and first.serves_device(device_type) and not first.unavailable_reason():
+        return kernel.fn if kernel.checks_arguments else checked_kernel(opdef, kernel.fn, f"mla_{op}_{first.name}")
+    return checked_kernel(opdef, _chooser(op, options, demand), f"mla_{op}_{device_type}")
 
 
-def bind() -> None:
-    """(Re)attach the chosen kernels for every op and device type under the current setting."""
-    global _bound_lib
+def serve(op: str, args: tuple, kwargs: dict) -> Any:
+    """Serve a call that reached `mla::<op>`'s CompositeExplicitAutograd kernel."""
+    device = _device_of(args, kwargs)
+    key = (op, device.type if device is not None else "cpu", settings.backend)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(op, key[1])
+    return plan(*args, **kwargs)
+
+
+def _route(backend: Backend, op: str) -> str:
+    """The route of `backend`'s static CPU kernel for `op` under the current setting."""
+    options = candidates(op, "cpu")
+    if not options or options[0] is not backend or any(b is not REFERENCE for b in options[1:]):
+        return "elsewhere"
+    return "demanded" if _is_demand(op, settings.backend) else "native"
+
+
+def apply_setting() -> None:
+    """Make the backend setting take effect: set the static kernels' routes, forget the composite plans.
+    Runs at import and after every change of the setting; registers nothing."""
     _sync_reference_kernels()
-    if _bound_lib is not None:
-        _bound_lib._destroy()
-    for registrar in _bound_registrars:
-        registrar.unbind()
-    _bound_registrars.clear()
-    _bound_lib = torch.library.Library(NAMESPACE, "IMPL")
-    _bound.clear()
-    _registered.clear()
-    requests: dict[Any, list] = {}
-    for name, op in OPS.items():
-        for device_type, key in DISPATCH_KEYS.items():
-            options = candidates(name, device_type)
-            if not options or options == (REFERENCE,):
-                _bound[(name, device_type)] = "reference"
-                continue  # CompositeExplicitAutograd serves it
-            first = options[0]
-            demand = _is_demand(name, settings.backend)
-            registrar = _cpu_registrar(name, device_type, options)
-            if registrar is not None:
-                head, tail = refusal(name, first.name, "\0").split("\0")
-                requests.setdefault(registrar, []).append(registrar.OpRequest(name, demand, head, tail))
-                falls_back = first.kernels[name].reasons is not None  # call-dependent reasons: the reference
-                _bound[(name, device_type)] = " or ".join(b.name for b in options) if falls_back else first.name
-                continue
-            # the first candidate takes every call it can be asked (no call-dependent reasons): bind it
-            direct = (first.kernels[name].reasons is None and first.serves_device(device_type)
-                      and not first.unavailable_reason())
-            if direct:
-                kernel, label, checked = first.kernels[name].fn, first.name, first.kernels[name].checks_arguments
-            else:
-                kernel = _chooser(name, options, demand)
-                label, checked = " or ".join(b.name for b in options), False
-            _bound_lib.impl(name, kernel if checked else checked_kernel(op, kernel, f"mla_{name}_{device_type}"), key)
-            _bound[(name, device_type)] = label
-            _registered[(name, key)] = __file__
-    for registrar, ops in requests.items():
-        registrar.bind(ops)
-        _bound_registrars.append(registrar)
-        for request in ops:
-            for key in ("CPU", "AutogradCPU"):
-                _registered[(request.op, key)] = registrar.registration_file()
+    _plans.clear()
+    for backend in BACKENDS.values():
+        kernels = backend.static_cpu_kernels() if backend.static_cpu_kernels is not None else None
+        if kernels is None:
+            continue
+        for op in kernels.ops():
+            kernels.set_route(op, _route(backend, op), refusal(op, backend.name, "{reasons}"))
 
 
-def bound_registrations(op: str) -> dict[str, str]:
-    """dispatch key -> the file that registered the kernel `bind()` attached for `op` there (the
-    backend layer's Python Library, or a backend's C++ registration), for the binding tests."""
-    return {key: source for (name, key), source in _registered.items() if name == op}
-
-
-def bound_report() -> list[tuple[str, str, str]]:
+def serving_report() -> list[tuple[str, str, str]]:
     """(op, device type, what serves it) under the current setting, for `mla-ops info`."""
-    return [(op, device_type, label) for (op, device_type), label in sorted(_bound.items())]
+    rows = []
+    for op in sorted(OPS):
+        for device_type in DEVICE_TYPES:
+            options = candidates(op, device_type) or (REFERENCE,)
+            first = options[0]
+            kernel = first.kernels.get(op)
+            falls_back = kernel is not None and kernel.reasons is not None and len(options) > 1
+            label = " or ".join(b.name for b in options) if falls_back else first.name
+            if _is_demand(op, settings.backend) and not first.serves_device(device_type):
+                label = f"{first.name} (refused: device {device_type})"
+            rows.append((op, device_type, label))
+    return rows
 
 
 def availability_report() -> list[tuple[str, str, str]]:
@@ -353,7 +345,9 @@ def availability_report() -> list[tuple[str, str, str]]:
     return rows
 
 
-_settings_module.on_backend_change(bind)
+route_composite_calls(serve)
+_settings_module.on_backend_change(apply_setting)
+apply_setting()
 
-__all__ = ["Backend", "Kernel", "CpuRegistrar", "BACKENDS", "REFERENCE", "auto_priority", "candidates", "choose",
-           "explain", "refusal", "bind", "bound_report", "bound_registrations", "availability_report"]
+__all__ = ["Backend", "Kernel", "StaticCpuKernels", "BACKENDS", "REFERENCE", "auto_priority", "candidates", "choose",
+           "explain", "refusal", "serve", "apply_setting", "serving_report", "availability_report"]

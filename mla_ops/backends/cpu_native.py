@@ -1,28 +1,29 @@
 """The ``cpu_native`` backend: C++ kernels for the CPU, built with the package (`mla_ops/csrc/cpu`).
 
-The kernels are compiled once per ISA into `mla_ops._C_avx512`, `mla_ops._C_avx2` and
-`mla_ops._C_default` (setup.py, `torch.utils.cpp_extension`), written with ATen's portable vector
-types (`at::vec::Vectorized`) and `at::parallel_for`, so the same sources build for AVX2, AVX-512
-and NEON. `load()` imports the best build the CPU supports, decided by
-`torch.backends.cpu.get_cpu_capability()` (which honours ``ATEN_CPU_CAPABILITY``), or the one named
-by ``MLA_OPS_NATIVE_ISA`` (``avx512`` | ``avx2`` | ``default``), e.g. to run the AVX2 build on an
-AVX-512 machine. The build is imported when the backends are bound (at ``import mla_ops``: whether it
-imports decides the CPU binding); it is our own extension and pulls in no optional package. A
-machine where no build imports keeps the reference kernels, and `mla-ops info` says why.
+One extension module, `mla_ops._C`, holds every kernel compiled for each ISA of the platform (x86-64:
+``avx512``, ``avx2`` and ``default``; elsewhere ``default``, NEON on aarch64), written with ATen's
+portable vector types (`at::vec::Vectorized`) and `at::parallel_for`. The kernels pick their ISA
+build at the first call: the one matching ATen's own kernels (`torch.backends.cpu.get_cpu_capability()`,
+which honours ``ATEN_CPU_CAPABILITY``), or the one ``MLA_OPS_NATIVE_ISA`` names (``avx512`` | ``avx2`` |
+``default``; read at import), e.g. to run the AVX2 build on an AVX-512 machine. `use_isa` switches
+builds inside a block (tests and benchmarks compare them side by side in one process).
 
-The ops this backend serves on CPU are registered on the dispatcher by the extension itself
-(`bindings.cpp` / `registration.cpp`: CPU and AutogradCPU kernels, bound by `mla_ops.backends.bind`
-for the build `load()` picks), so `torch.ops.mla.<op>` on CPU tensors runs no Python: the C++ kernel
-runs the op's metadata check (the C++ twin of the Python one, same messages), this backend's reasons
-(`*_reasons` below, in C++ too), the index-value checks (ValueError, nothing written) and the kernel.
-What the kernels do not serve (float64, gradcheck's dtype; decode and sparse-attention caches whose
-last dim is not unit-stride; a prolog rotating k_pe with rope_compute_dtype="activation" in fp16 / bf16;
-pair-major rotary tables; the "neox" layout) goes to the reference kernels, with the reason in
-`mla_ops.explain(...)`, or is refused when this backend was requested by name.
+Importing the extension registers its kernels on the dispatcher (static ``TORCH_LIBRARY_IMPL``,
+`csrc/cpu/registration.cpp`): a CPU and an AutogradCPU kernel for each op of `NATIVE_OPS`, so
+`torch.ops.mla.<op>` on CPU tensors runs no Python: the C++ kernel runs the op's metadata check (the
+C++ twin of the Python one, same messages), this backend's reasons (in C++ too; `mla_ops.explain`
+asks them through `torch.ops.mla_native.reasons`), the index-value checks (ValueError, nothing
+written) and the kernel. What the kernels do not serve (float64, gradcheck's dtype; decode and
+sparse-attention caches whose last dim is not unit-stride; a prolog rotating k_pe with
+rope_compute_dtype="activation" in fp16 / bf16; pair-major rotary tables; the "neox" layout; an
+rms_norm of a non-contiguous x, or with a weight neither in x's dtype nor float32) goes to
+the reference kernels, with the reason in `mla_ops.explain(...)`, or is refused when this backend was
+requested by name. Which of the three the C++ kernel does is the op's *route*, which the backend layer
+sets from the backend setting (`set_route`); nothing is registered or removed when the setting changes.
 
-The Python kernels below call a build directly (the `_ext` keyword selects one: tests and
-benchmarks compare builds side by side); they take the path only when the dispatcher binding does
-not (another backend ranked between this one and the reference).
+The extension is imported when `mla_ops` is (whether it imports decides the CPU route); it is our own
+and pulls in no optional package. A machine where it does not import keeps the reference kernels, and
+`mla-ops info` says why.
 """
 from __future__ import annotations
 
@@ -33,11 +34,11 @@ import platform
 import threading
 import warnings
 from types import ModuleType
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
-from ..settings import environment_variable
+from .._library import OPS
 from . import Backend
 
 ISAS = ("avx512", "avx2", "default")
@@ -48,82 +49,64 @@ ENV_NO_NATIVE = "MLA_OPS_NO_NATIVE"
 # bf16 then runs on the AVX512-BF16 engine, e.g. to compare the two on one machine.
 ENV_AMX = "MLA_OPS_NATIVE_AMX"
 
+# The ops the extension serves from the dispatcher: one `register_native_op` line each in
+# csrc/cpu/registration.cpp (a test checks the two lists agree).
+NATIVE_OPS = (
+    "mla_decode_attention", "sparse_mla_attention", "lightning_indexer", "kv_prolog", "latent_kv_prolog", "rms_norm",
+    "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "scatter_pa_kv_cache", "scatter_pa_cache",
+)
+
 _lock = threading.Lock()
-_modules: dict[str, Optional[ModuleType]] = {}
-_reasons: dict[str, str] = {}
+_loaded: Optional[tuple[Optional[ModuleType], Optional[str]]] = None  # (module, why not)
 
 
-def cpu_supports(isa: str) -> bool:
-    """Whether this CPU can run the `isa` build (hardware, whatever ATEN_CPU_CAPABILITY says)."""
-    if isa == "default":
-        return True
-    if isa == "avx512":
-        return bool(torch.cpu._is_avx512_supported())
-    if isa == "avx2":
-        return bool(torch.cpu._is_avx2_supported())
-    return False
+def requested_isa() -> Optional[str]:
+    """The build ``MLA_OPS_NATIVE_ISA`` asks for, or None (the kernels choose from the CPU)."""
+    return os.environ.get(ENV_ISA, "").strip().lower() or None
 
 
-def _preferred_isa() -> str:
-    """The build matching ATen's own kernel level (so ATEN_CPU_CAPABILITY=avx2 picks the AVX2 build)."""
-    capability = torch.backends.cpu.get_cpu_capability().upper()
-    if capability.startswith("AVX512"):
-        return "avx512"
-    if capability == "AVX2":
-        return "avx2"
-    return "default"
+def _control() -> Any:
+    return torch.ops.mla_native
 
 
-def requested_isa() -> str:
-    """The build `load()` uses: ``MLA_OPS_NATIVE_ISA`` when set, else the CPU's best."""
-    value = os.environ.get(ENV_ISA, "").strip().lower()
-    return value or _preferred_isa()
+def _import_extension() -> tuple[Optional[ModuleType], Optional[str]]:
+    requested = requested_isa()
+    if requested is not None and requested not in ISAS:
+        return None, f"{ENV_ISA}={requested!r} is not one of {ISAS}"
+    try:
+        module = importlib.import_module("mla_ops._C")
+    except ImportError as exc:
+        return None, (f"mla_ops._C is not built or cannot be imported ({exc}); reinstall mla-ops in this "
+                      f"environment with `pip install --no-build-isolation .` (`-e .` for a development install), "
+                      f"with a C++ compiler")
+    if requested is not None:
+        runnable = list(_control().isas())
+        if requested not in runnable:
+            return None, (f"{ENV_ISA}={requested!r}: this CPU does not run the {requested} build of the native "
+                          f"kernels (it runs {', '.join(runnable)})")
+        _control().set_isa(requested)
+    return module, None
 
 
-def _import(isa: str) -> Optional[ModuleType]:
-    with _lock:
-        if isa in _modules:
-            return _modules[isa]
-        module = None
-        if isa not in ISAS:
-            _reasons[isa] = f"{ENV_ISA}={isa!r} is not one of {ISAS}"
-        elif not cpu_supports(isa):
-            _reasons[isa] = f"this CPU does not support {isa} (torch.cpu reports no {isa})"
-        else:
-            try:
-                module = importlib.import_module(f"mla_ops._C_{isa}")
-            except ImportError as exc:
-                _reasons[isa] = (
-                    f"mla_ops._C_{isa} is not built or cannot be imported ({exc}); reinstall mla-ops in this "
-                    f"environment with `pip install --no-build-isolation .` (`-e .` for a development install), "
-                    f"with a C++ compiler"
-                )
-        _modules[isa] = module
-        return module
+def load() -> Optional[ModuleType]:
+    """The extension module (imported once; its import registers the kernels), or None (see
+    `unavailable_reason`)."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = _import_extension()
+    return _loaded[0]
 
 
-_default: tuple = (None, None)  # (MLA_OPS_NATIVE_ISA value it was resolved for, module)
-
-
-def load(isa: Optional[str] = None) -> Optional[ModuleType]:
-    """The extension module for `isa` (default: `requested_isa()`), or None (see `unavailable_reason`)."""
-    global _default
-    if isa is not None:
-        return _import(isa)
-    env = os.environ.get(ENV_ISA)
-    if _default[0] != env or _default[1] is None:  # the per-call fast path is one dict lookup
-        _default = (env, _import(requested_isa()))
-    return _default[1]
-
-
-def unavailable_reason(isa: Optional[str] = None) -> Optional[str]:
-    """Why `load(isa)` returns None, or None when the native kernels are usable."""
-    isa = isa or requested_isa()
-    return None if _import(isa) is not None else _reasons.get(isa, "unknown")
+def unavailable_reason() -> Optional[str]:
+    """Why the native kernels cannot serve, or None when they can."""
+    load()
+    return _loaded[1]
 
 
 def warn_if_unavailable() -> None:
-    """Warn on x86-64 when no native build loads (`import mla_ops` calls this once), unless
+    """Warn on x86-64 when the native kernels do not load (`import mla_ops` calls this once), unless
     ``MLA_OPS_NO_NATIVE`` is set: the opt-out that setup.py honours too."""
     if platform.machine().lower() not in ("x86_64", "amd64") or os.environ.get(ENV_NO_NATIVE, "0") not in ("", "0"):
         return
@@ -135,127 +118,95 @@ def warn_if_unavailable() -> None:
 
 
 def isa() -> Optional[str]:
-    """The ISA of the loaded build ("avx512", "avx2", "default"), or None when unavailable."""
-    chosen = requested_isa()
-    return chosen if load(chosen) is not None else None
+    """The ISA build serving calls ("avx512", "avx2", "default"), or None when unavailable."""
+    return str(_control().isa()) if load() is not None else None
 
 
 def available_isas() -> list[str]:
-    """Every build that is installed and runs on this CPU (the tests and the benchmark loop over them)."""
-    return [name for name in ISAS if _import(name) is not None]
-
-
-def attention_engine(q_latent: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
-                     _ext: Optional[ModuleType] = None) -> str:
-    """The tile engine the decode / sparse attention kernel of a build runs for these operands: "amx"
-    (bf16 on AMX tiles, through oneDNN's brgemm ukernel, on CPUs where oneDNN runs AMX), "avx512_bf16"
-    (bf16 dot products, vdpbf16ps) or "fp32" (fp32 FMA: every other dtype, layout or CPU)."""
-    return _module(_ext).attention_engine(q_latent, key_cache, value_cache)
-
-
-def _module(ext: Optional[ModuleType]) -> ModuleType:
-    ext = ext or load()
-    if ext is None:
-        raise RuntimeError(f"mla-ops native CPU kernels unavailable: {unavailable_reason()}")
-    return ext
-
-
-
-
-def _unavailable() -> Optional[str]:
-    return unavailable_reason()
+    """The builds this CPU runs (the tests and the benchmark loop over them), best first."""
+    if load() is None:
+        return []
+    runnable = set(_control().isas())
+    return [name for name in ISAS if name in runnable]
 
 
 @contextlib.contextmanager
-def use_isa(isa: Optional[str]) -> Iterator[None]:
-    """Serve the ops from the `isa` build (``MLA_OPS_NATIVE_ISA``) inside the block, re-binding the
-    dispatcher on entry and exit (the binding is made for one build, not looked up per call)."""
-    from . import bind
-
+def use_isa(isa: str) -> Iterator[None]:
+    """Serve the native kernels from the `isa` build inside the block (tests and benchmarks). A
+    process setting, like the backend setting: calls from other threads see it too."""
+    if load() is None:
+        raise RuntimeError(f"mla-ops native CPU kernels unavailable: {unavailable_reason()}")
+    previous = str(_control().isa())
+    _control().set_isa(isa)
     try:
-        with environment_variable(ENV_ISA, isa):
-            bind()
-            yield
+        yield
     finally:
-        bind()  # after the variable is restored
+        _control().set_isa(previous)
+
+
+def attention_engine(q_latent: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
+    """The tile engine the decode / sparse attention kernel of the current build runs for these operands:
+    "amx" (bf16 on AMX tiles, through oneDNN's brgemm ukernel, on CPUs where oneDNN runs AMX),
+    "avx512_bf16" (bf16 dot products, vdpbf16ps) or "fp32" (fp32 FMA: every other dtype, layout or CPU)."""
+    if load() is None:
+        raise RuntimeError(f"mla-ops native CPU kernels unavailable: {unavailable_reason()}")
+    return str(_control().attention_engine(q_latent, key_cache, value_cache))
+
+
+def _schema_arguments(op: str, args: tuple, kwargs: dict) -> list:
+    """Every argument of `mla::<op>`'s schema, in order, defaults filled in (for torch.ops.mla_native.reasons)."""
+    values = []
+    for i, argument in enumerate(OPS[op].overload._schema.arguments):
+        if i < len(args):
+            values.append(args[i])
+        elif argument.name in kwargs:
+            values.append(kwargs[argument.name])
+        else:
+            values.append(argument.default_value)
+    return values
+
+
+class _Extension:
+    """What the backend layer asks of the loaded extension (a `StaticCpuKernels`)."""
+
+    @staticmethod
+    def ops() -> list[str]:
+        return list(_control().ops())
+
+    @staticmethod
+    def set_route(op: str, route: str, refusal: str) -> None:
+        _control().set_route(op, route, refusal)
+
+
+def _static_cpu_kernels() -> Optional[_Extension]:
+    return _Extension() if load() is not None else None
+
+
+def _reasons_of(op: str):
+    def reasons(*args, **kwargs) -> list[str]:
+        return list(_control().reasons(op, _schema_arguments(op, args, kwargs)))
+
+    reasons.__name__ = f"{op}_native_reasons"
+    return reasons
 
 
 CPU_NATIVE = Backend("cpu_native", "C++ kernels (ATen vectorized, at::parallel_for) built with the package",
-                     ("cpu",), _unavailable, auto_priority=0,  # the automatic choice on CPU where a build imports
-                     cpu_registrar=lambda: load())
+                     ("cpu",), unavailable_reason, auto_priority=0,  # the automatic choice on CPU where it loads
+                     static_cpu_kernels=_static_cpu_kernels)
+
+def _not_registered(op: str):
+    def reasons(*args, **kwargs) -> list[str]:
+        return [f"the loaded extension ({load().__file__}) has no kernel for mla.{op}: it was built from other "
+                f"sources; rebuild it (`pip install --no-build-isolation -e .`)"]
+
+    return reasons
 
 
-def _prolog_reasons(hidden_states, *args, rope_layout: str = "interleaved", rope_compute_dtype: str = "float32",
-                    **kwargs) -> list[str]:
-    """(kv_prolog and latent_kv_prolog: cos and sin are the last two positional arguments.)"""
-    return _module(None).prolog_reasons(hidden_states, args[-2], args[-1], rope_layout, rope_compute_dtype)
-
-
-def _decode_reasons(q_latent, q_pe, key_cache, value_cache, *args, **kwargs) -> list[str]:
-    return _module(None).mla_decode_attention_reasons(q_latent, key_cache, value_cache)
-
-
-def _sparse_attention_reasons(q_latent, q_pe, key_cache, value_cache, *args, **kwargs) -> list[str]:
-    return _module(None).sparse_mla_attention_reasons(q_latent, key_cache, value_cache)
-
-
-def _indexer_reasons(q, *args, **kwargs) -> list[str]:
-    return _module(None).lightning_indexer_reasons(q)
-
-
-# ------------------------------------------------------------------------------------------ kernels
-# Each is the extension's direct entry point (the op's checks, reasons and kernel, in C++). `_ext`
-# (keyword-only, not part of the op schemas) selects a build explicitly: tests and benchmark.
-def _direct(op: str, doc: str, reasons=None):
-    def kernel(*args, _ext: Optional[ModuleType] = None, **kwargs):
-        return getattr(_module(_ext), op)(*args, **kwargs)
-
-    kernel.__name__ = kernel.__qualname__ = op
-    kernel.__doc__ = doc
-    CPU_NATIVE.kernel(op, reasons=reasons, memoize=False, checks_arguments=True)(kernel)
-    return kernel
-
-
-mla_decode_attention = _direct(
-    "mla_decode_attention",
-    """q_latent [B, N, L], q_pe [B, N, R], key_cache [NB, bs, 1, L], value_cache [NB, bs, 1, R],
-    block_tables [B, max_blocks], seq_lens [B] (int32/int64) -> o_latent [B, N, L] in q's dtype.
-
-    fp32 scores and probabilities with an online softmax, split over batch x heads x context chunks
-    (one sequence uses every core); positions past a row's length are never read.""",
-    _decode_reasons)
-kv_prolog = _direct(
-    "kv_prolog",
-    """The two GEMMs through ATen (the reference's own calls), then split + RMSNorm + RoPE + output
-    layout in one vectorised pass; bit-identical to the reference kernel.""",
-    _prolog_reasons)
-latent_kv_prolog = _direct(
-    "latent_kv_prolog",
-    "hidden_states [B, S, H] -> latent [B, S, L] (normed), k_pe [B, S, R] (rotated); bit-identical.",
-    _prolog_reasons)
-gather_pa_kv_cache = _direct(
-    "gather_pa_kv_cache",
-    """Block-run copies of every sequence's tokens into key [T, Hk, Dk] / value [T, Hv, Dv] (any cache
-    strides); validated first, nothing written on a bad value.""")
-gather_pa_kv_cache_functional = _direct(
-    "gather_pa_kv_cache_functional",
-    "The out-of-place twin: gathers into clones of key and value (their strides kept) and returns them.")
-scatter_pa_kv_cache = _direct(
-    "scatter_pa_kv_cache",
-    "key_cache[slot // bs, slot % bs] = key[t] (same for value) for every token t with slot >= 0.")
-scatter_pa_cache = _direct(
-    "scatter_pa_cache",
-    "The one-pool twin (the sparse indexer's key cache): cache[slot // bs, slot % bs] = key[t]; the same C++ code.")
-lightning_indexer = _direct(
-    "lightning_indexer",
-    """q [T, H, D], weights [T, H], k_cache [NB, bs, 1, D] -> int32 [T, topk]: fp32 scores of query tiles x
-    context chunks (split over the cores, a key row read once per tile of a request's tokens), then an
-    exact top-k per token (nth_element + sort on (score, position) keys: the reference's order, ties and
-    NaN included).""",
-    _indexer_reasons)
-sparse_mla_attention = _direct(
-    "sparse_mla_attention",
-    """q_latent [T, N, L], q_pe [T, N, R], the latent / k_pe caches, topk_indices [T, K] -> o_latent [T, N, L]:
-    the decode kernel over each token's listed positions (-1 skipped), all heads per gathered row, split
-    over tokens and, for few tokens, over chunks of the list (merged like decode's split context).""",
-    _sparse_attention_reasons)
+_REGISTERED = set(_control().ops()) if load() is not None else set(NATIVE_OPS)
+_MAY_REFUSE = set(_control().ops_with_reasons()) if load() is not None else set(NATIVE_OPS)
+for _op in NATIVE_OPS:
+    # The kernel is the op itself: the extension serves it from the CPU key whenever this backend is the
+    # CPU choice (the backend layer never calls it from Python: see `Backend.static_cpu_kernels`).
+    _reasons = _reasons_of(_op) if _op in _MAY_REFUSE else None
+    CPU_NATIVE.kernel(_op, reasons=_reasons if _op in _REGISTERED else _not_registered(_op), memoize=False,
+                      checks_arguments=True)(OPS[_op].overload)

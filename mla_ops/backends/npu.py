@@ -1,8 +1,8 @@
 """The ``npu`` backend (Ascend, PrivateUse1): torch_npu ops + PyPTO kernels.
 
 Nothing here imports torch_npu or pypto at import time; the kernels import them when called (an NPU
-tensor exists only once torch_npu is imported). The kernels are bound to PrivateUse1 whether or not
-torch_npu was imported before mla_ops.
+tensor exists only once torch_npu is imported). The backend layer serves NPU tensors with them whether or
+not torch_npu was imported before mla_ops.
 
 Policy (plain functions, testable on any machine):
 * kv_prolog: B*S tokens <= `MLA_OPS_NPU_FUSED_MAX_TOKENS` (default 16) and the PyPTO stage-2 kernel

@@ -281,6 +281,7 @@ def tiny_arguments() -> dict[str, tuple[tuple, dict]]:
         "gather_pa_kv_cache": ((key_cache, value_cache, tables, lens, key, value), {}),
         "gather_pa_kv_cache_functional": ((key_cache, value_cache, tables, lens, key, value), {}),
         "latent_kv_prolog": ((hidden, kv_a, None, norm_w, cos, sin), {}),
+        "rms_norm": ((hidden, torch.ones(8), 1e-6), {}),
         "kv_prolog": ((hidden, kv_a, None, norm_w, kv_b, cos, sin),
                       {"num_heads": heads, "qk_nope_head_dim": 4, "v_head_dim": 4}),
     }
@@ -297,22 +298,27 @@ def tiny_calls(namespace: str = "mla") -> dict:
 
 
 # The entry floor: every tiny-called op's schema again, in its own namespace, served by a C++ kernel that does
-# nothing (`bind_entry_floor` of the native extension). What its call costs is torch's own path from Python to a
-# kernel for that schema (argument parsing against the schema, keyword lookups, the dispatcher), which no kernel
-# on the dispatcher can undercut: a schema with keyword arguments and defaults pays for each.
+# nothing (entry_floor.cpp beside this file, compiled on first use). What its call costs is torch's own path from
+# Python to a kernel for that schema (argument parsing against the schema, keyword lookups, the dispatcher), which
+# no kernel on the dispatcher can undercut: a schema with keyword arguments and defaults pays for each.
 ENTRY_FLOOR_NAMESPACE = "mla_entry_floor"
 _entry_floor_library: Optional[torch.library.Library] = None
 
 
 def entry_floor_calls() -> dict:
-    """op -> its tiny call on the do-nothing twin of its schema (defined once per process)."""
+    """op -> its tiny call on the do-nothing twin of its schema (built and defined once per process; needs the
+    C++ compiler the package was built with)."""
     global _entry_floor_library
     if _entry_floor_library is None:
+        from torch.utils.cpp_extension import load
+
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry_floor.cpp")
+        load(name="mla_ops_bench_entry_floor", sources=[source], extra_cflags=["-O2"], is_python_module=False)
         names = list(tiny_arguments())
         library = torch.library.Library(ENTRY_FLOOR_NAMESPACE, "DEF")
         for name in names:
             library.define(OPS[name].schema)
-        native_cpu.load().bind_entry_floor(ENTRY_FLOOR_NAMESPACE, names)
+        torch.ops.mla_entry_floor_bench.serve_with_nothing(ENTRY_FLOOR_NAMESPACE, names)
         _entry_floor_library = library
     return tiny_calls(ENTRY_FLOOR_NAMESPACE)
 
@@ -351,7 +357,7 @@ QUICK_DECODE_CONFIGS = [
 
 
 def run(quick: bool = False, vllm: bool = True, rounds: Optional[int] = None) -> dict:
-    """Every table, with the cpu_native backend bound to the ops (an explicit demand: a case it cannot
+    """Every table, with the cpu_native backend requested for the ops (an explicit demand: a case it cannot
     serve fails instead of silently timing the reference)."""
     with mla_ops.use_backend("cpu_native"):
         return _run(quick, vllm, rounds)

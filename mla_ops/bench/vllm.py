@@ -326,7 +326,7 @@ def _engine_row(label: str, case: tuple[int, int], job: dict, report: dict) -> d
            "attention_backend": "/".join(sorted({r["backend"] for r in report["layers"]})),
            "route": "mla-ops" if any(k.split("|")[0] in ("mla_decode_attention", "sparse_mla_attention")
                                      for k in report["calls"]) else "vllm",
-           # the mla-ops kernel bound to the decode op in the engine ("cpu_native", ...)
+           # the mla-ops kernel serving the decode op in the engine ("cpu_native", ...)
            "decode_served_by": "/".join(sorted(set(map(str, report["decode_served_by"])))),
            "prefill_s": job["prefill_s"], "decode_s": job["decode_s"], "step_ms": step_ms,
            "step_min_ms": min(decode) * 1e3, "step_mean_ms": sum(decode) / len(decode) * 1e3,

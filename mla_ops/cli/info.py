@@ -28,13 +28,18 @@ def run(args=None) -> None:
     for module in ("transformers", "pypto", "torch_npu", "torchair", "matplotlib"):
         print(f"{module:<26}{package_version(module)}")
     print(f"{'backend (MLA_OPS_BACKEND)':<26}{settings.backend}")
+    from ..backends import cpu_native
+
+    if cpu_native.unavailable_reason() is None:
+        print(f"{'native CPU kernels':<26}{cpu_native.isa()} build (this CPU runs: "
+              f"{', '.join(cpu_native.available_isas())}; {cpu_native.ENV_ISA} picks one)")
     print("\nbackends")
     for name, ops, status in backends.availability_report():
         print(f"  {name:<12}{status}")
         print(f"  {'':<12}ops: {ops}")
     print("\nwho serves each op (device type: backend)")
     rows: dict[str, list[str]] = {}
-    for op, device_type, label in backends.bound_report():
+    for op, device_type, label in backends.serving_report():
         rows.setdefault(op, []).append(f"{device_type}: {label}")
     for op, cells in rows.items():
         print(f"  {op:<32}{'   '.join(cells)}")

@@ -9,7 +9,7 @@ on the device through whichever backend serves it there — named in the row, wi
 path where it has one — and compares the result with the reference kernel run on the CPU (the same
 inputs and dtype) and with the op's oracle (the contract in float64): the kernel must be within its
 rounding bound of the oracle, and within the two kernels' bounds of the reference; ops that only move
-data must be bit-exact. On an NPU it also checks the binding of every npu kernel to PrivateUse1, which
+data must be bit-exact. On an NPU it also checks that the npu backend serves every op it declares there, which
 kv_prolog path (fused PyPTO or torch_npu baseline) each token count takes, the paged gather against
 torch_npu's own npu_gather_pa_kv_cache, capture and replay in a device graph with new inputs (kv_prolog,
 and on an NPU the decode attention, both cache scatters and both other prologs), and a short generate in
@@ -305,10 +305,10 @@ def environment(report: Report, device: torch.device) -> None:
                else "; ".join(reasons))
     if device.type != "npu":
         return
-    bound = {op: label for op, device_type, label in backends.bound_report() if device_type == "npu"}
+    served = {op: label for op, device_type, label in backends.serving_report() if device_type == "npu"}
     for op in sorted(backends.BACKENDS["npu"].kernels):
-        label = bound.get(op, "nothing")
-        report.add(f"bound on PrivateUse1: {op}", "PASS" if "npu" in label else "FAIL", label)
+        label = served.get(op, "nothing")
+        report.add(f"served on npu: {op}", "PASS" if "npu" in label else "FAIL", label)
 
 
 def run(args) -> int:

@@ -101,16 +101,14 @@ class Variant:
 
 
 def backend_variant(name: str, *, label: Optional[str] = None, isa: Optional[str] = None) -> Variant:
-    """`torch.ops.mla.<op>` with backend `name` requested explicitly (for a native build: that ISA)."""
+    """`torch.ops.mla.<op>` with backend `name` requested explicitly (for the native kernels: their `isa` build)."""
     def reasons(op, sample):
         if isa is not None:
             from ..backends import cpu_native
 
-            build = cpu_native.unavailable_reason(isa)  # the backend's own answer is for the default build
-            if build:
-                return [build]
-        with settings.environment_variable(cpu_native.ENV_ISA, isa) if isa else contextlib.nullcontext():
-            return backends.BACKENDS[name].not_supported_reasons(op, *sample.args, **sample.kwargs)
+            if isa not in cpu_native.available_isas():
+                return [f"this CPU does not run the {isa} build of the native kernels"]
+        return backends.BACKENDS[name].not_supported_reasons(op, *sample.args, **sample.kwargs)
 
     @contextlib.contextmanager
     def serving():
@@ -139,7 +137,7 @@ def path_variant(path: str) -> Variant:
 
 def variants() -> list[Variant]:
     """Every kernel that can serve an op on this machine's CPU: each backend serving the CPU (derived
-    from `BACKENDS`), the native one once per ISA build (`MLA_OPS_NATIVE_ISA`), and the reference
+    from `BACKENDS`), the native one once per ISA build (`cpu_native.use_isa`), and the reference
     kernels' other code paths (`OpCases.paths`)."""
     from ..backends import cpu_native
 

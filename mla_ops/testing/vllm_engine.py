@@ -54,7 +54,7 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     Report: `{"vllm": version, "layers": [{"layer", "impl", "backend"}] (every worker's), "calls":
     {"op|layer": n} (the plugin's own counter, summed over workers), "op_counts": {"mla::op": n,
     "_C::op": n} (profiled, summed over workers; with count_ops), "workers": n, "worker_plugin_states":
-    [register()'s result in each worker], "decode_served_by": [the mla-ops backend bound for
+    [register()'s result in each worker], "decode_served_by": [the mla-ops backend serving
     mla.mla_decode_attention on CPU, per worker], "startup_s", "jobs": [{"outputs": [{"token_ids",
     "text" (vLLM's detokenized output; untimed jobs only), "logprobs": [{token: logprob}, ...]}], ...}],
     "log": tail of the child's output, "plugin_log": its lines that mention mla-ops}`.
@@ -122,9 +122,9 @@ def _worker_report(worker) -> dict:
     calls = {} if mod is None else {f"{op}|{layer}": n for (op, layer), n in mod.CALLS.items()}
     served = None
     if "mla_ops.backends" in sys.modules:
-        from mla_ops.backends import bound_report
+        from mla_ops.backends import serving_report
 
-        served = next(label for op, device, label in bound_report()
+        served = next(label for op, device, label in serving_report()
                       if op == "mla_decode_attention" and device == "cpu")
     return {"plugin_state": getattr(plugin, "_state", None), "calls": calls, "decode_served_by": served}
 

@@ -1,11 +1,11 @@
 // The metadata checks of the ops the native kernels serve: each function is the C++ twin of the
 // Python check named in its comment (same conditions, same order, same messages; see checks.h).
 // They look at ranks, sizes, dtypes and devices only; index values are the kernels' own checks.
+#include "arguments.h"
+
 #include "checks.h"
-#include "ops.h"
 
 namespace mla_native {
-inline namespace CPU_CAPABILITY {
 namespace {
 
 constexpr const char* kCacheLayout = "[num_blocks, block_size, heads, dim]";
@@ -334,14 +334,34 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                          {"topk_indices", &topk_indices}});
 }
 
-// mla_ops/ops/gather_pa_kv_cache.py: check_gather_pa_kv_cache_args / _functional_args
+// mla_ops/ops/rms_norm.py: check_rms_norm_args
+void check_rms_norm_args(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  constexpr std::string_view op = "rms_norm";
+  check_float(op, "x", x);
+  check_float(op, "weight", weight);
+  TORCH_CHECK(x.dim() >= 1, prefix(op), "x must have at least one dim [..., H], got a scalar");
+  check_rank(op, "weight", weight, 1, "[H]");
+  check_size(op, "weight", weight.size(0), x.size(-1), "length must equal the last dim of x");
+  check_same_device(op, {{"x", &x}, {"weight", &weight}});
+  TORCH_CHECK(eps >= 0.0, prefix(op), "eps must be >= 0, got ", py_float(eps));
+}
+
+// mla_ops/ops/gather_pa_kv_cache.py: check_gather_pa_kv_cache_args
 void check_gather_pa_kv_cache_args(const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& key,
                                    const at::Tensor& value, const std::optional<at::Tensor>& seq_offset,
-                                   bool is_seq_lens_cumsum, bool functional) {
-  check_gather_args(functional ? "gather_pa_kv_cache_functional" : "gather_pa_kv_cache", key_cache, value_cache,
-                    block_tables, seq_lens, key, value, seq_offset, is_seq_lens_cumsum, !functional);
+                                   bool is_seq_lens_cumsum) {
+  check_gather_args("gather_pa_kv_cache", key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset,
+                    is_seq_lens_cumsum, /*writes_outputs=*/true);
 }
 
-}  // namespace CPU_CAPABILITY
+// mla_ops/ops/gather_pa_kv_cache.py: check_gather_pa_kv_cache_functional_args
+void check_gather_pa_kv_cache_functional_args(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                              const at::Tensor& key, const at::Tensor& value,
+                                              const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum) {
+  check_gather_args("gather_pa_kv_cache_functional", key_cache, value_cache, block_tables, seq_lens, key, value,
+                    seq_offset, is_seq_lens_cumsum, /*writes_outputs=*/false);
+}
+
 }  // namespace mla_native

@@ -105,7 +105,7 @@ def serving_decode_backend(device_type: str) -> str:
 
 def bf16_decode_engine() -> str:
     """The `cpu_native` tile engine a bf16 decode at V2-Lite's attention dims runs on this machine now
-    ("amx", "avx512_bf16", "fp32"), or "unavailable" without a native build."""
+    ("amx", "avx512_bf16", "fp32"), or "unavailable" without the native extension."""
     import torch
 
     from ...backends import cpu_native

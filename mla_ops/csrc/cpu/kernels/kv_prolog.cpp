@@ -12,19 +12,13 @@
 // row sums) share one scratch allocation.
 //
 // Numerics follow the reference kernels operation by operation, so outputs are bit-identical:
-// * RMSNorm: variance = mean(x_fp32^2). On CPU, ATen's mean is its sum followed by an IEEE division
-//   by the reduced size (aten/src/ATen/native/ReduceOps.cpp, mean_out), so the sum is ATen's own
-//   sum over the same [B, S, L] fp32 tensor the reference builds (a vector reduction's summation
-//   order is an implementation detail of ATen, different per ISA; calling it is the only way to match
-//   it bit for bit) and the division by L happens here, in fp32, per row: the same result without
-//   mean's second pass (its `div_` costs three times the sum on a small call). Then
-//   r = 1 / sqrt(variance + eps) (ATen's rsqrt: a correctly rounded sqrt, then a division),
-//   h = x * r rounded to the input dtype, out = weight * h computed in fp32 and rounded (ATen's
-//   reduced-precision multiply).
+// * RMSNorm: as the reference computes it, step for step (norm.h).
 // * RoPE: one fp32 complex multiply per pair, products rounded separately:
 //   (x0*c - x1*s, x0*s + x1*c). This file is compiled with -ffp-contract=off so the compiler
 //   cannot fuse a product and a sum into an FMA (one rounding instead of two).
 #include "common.h"
+#include "kernels.h"
+#include "norm.h"
 
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
@@ -35,16 +29,6 @@
 namespace mla_native {
 inline namespace CPU_CAPABILITY {
 namespace {
-
-// fp32 -> T -> fp32: the rounding the reference applies with `.to(input_dtype)`.
-template <typename T>
-inline fVec round_through(const fVec& v) {
-  return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
-}
-template <>
-inline fVec round_through<float>(const fVec& v) {
-  return v;
-}
 
 struct RopeTables {
   const float* cos;
@@ -84,49 +68,15 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::opt
   return out;
 }
 
-// Squares of the latent part in fp32: the tensor the reference's `h.pow(2)` makes.
-template <typename T>
-void squares(const T* compressed, int64_t rows, int64_t L, int64_t width, float* sq) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    constexpr int64_t W = fVec::size();
-    for (int64_t r = begin; r < end; ++r) {
-      const T* x = compressed + r * width;
-      float* o = sq + r * L;
-      int64_t d = 0;
-      for (; d + W <= L; d += W) {
-        const fVec v = load_f32<T>(x + d);
-        (v * v).store(o + d);
-      }
-      for (; d < L; ++d) {
-        const float v = to_f32(x[d]);
-        o[d] = v * v;
-      }
-    }
-  });
-}
-
 // RMSNorm of the latent part + RoPE of the rope part for every token row.
 template <typename T>
 void norm_rope(const T* compressed, int64_t B, int64_t S, int64_t L, int64_t R, const float* sum_sq, float eps,
                const T* norm_weight, const RopeTables& tab, bool interleaved, T* latent, T* k_pe) {
   const int64_t width = L + R, half = R / 2;
   at::parallel_for(0, B * S, 16, [&](int64_t begin, int64_t end) {
-    constexpr int64_t W = fVec::size();
     for (int64_t row = begin; row < end; ++row) {
       const T* x = compressed + row * width;
-      const float variance = sum_sq[row] / static_cast<float>(L);  // mean_out's div_(L), exact in fp32
-      const float r = 1.f / std::sqrt(variance + eps);
-      const fVec rv(r);
-      T* o = latent + row * L;
-      int64_t d = 0;
-      for (; d + W <= L; d += W) {
-        const fVec h = round_through<T>(load_f32<T>(x + d) * rv);
-        store_from_f32<T>(o + d, load_f32<T>(norm_weight + d) * h);
-      }
-      for (; d < L; ++d) {
-        const float h = to_f32(from_f32<T>(to_f32(x[d]) * r));
-        o[d] = from_f32<T>(to_f32(norm_weight[d]) * h);
-      }
+      normalize_row<T, T, T>(x, L, inverse_rms(sum_sq[row], L, eps), norm_weight, latent + row * L);
       const int64_t b = row / S, s = row % S;
       const float* c = tab.cos + b * tab.batch_stride + s * tab.seq_stride;
       const float* sn = tab.sin + b * tab.batch_stride + s * tab.seq_stride;
@@ -185,10 +135,14 @@ ScratchPart sums_part(int64_t rows) { return {{rows, 1}, at::kFloat}; }
 
 }  // namespace
 
+// rope_layout is "interleaved" or "half" and rope_compute_dtype "float32" (or "activation" with fp32
+// activations, the same formula): the cases reasons.cpp lets through.
 std::tuple<at::Tensor, at::Tensor> latent_kv_prolog(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
                                                     const std::optional<at::Tensor>& kv_a_bias,
                                                     const at::Tensor& kv_norm_weight, const at::Tensor& cos,
-                                                    const at::Tensor& sin, double eps, bool interleaved) {
+                                                    const at::Tensor& sin, double eps, std::string_view rope_layout,
+                                                    std::string_view /*rope_compute_dtype*/) {
+  const bool interleaved = rope_layout == "interleaved";
   const int64_t B = hidden.size(0), S = hidden.size(1);
   const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
   const at::ScalarType dtype = hidden.scalar_type();
@@ -202,7 +156,9 @@ std::tuple<at::Tensor, at::Tensor> latent_kv_prolog(const at::Tensor& hidden, co
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog(
     const at::Tensor& hidden, const at::Tensor& kv_a_weight, const std::optional<at::Tensor>& kv_a_bias,
     const at::Tensor& kv_norm_weight, const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin,
-    int64_t num_heads, int64_t qk_nope_head_dim, int64_t v_head_dim, double eps, bool interleaved) {
+    int64_t num_heads, int64_t qk_nope_head_dim, int64_t v_head_dim, double eps, std::string_view rope_layout,
+    std::string_view /*rope_compute_dtype*/) {
+  const bool interleaved = rope_layout == "interleaved";
   const int64_t B = hidden.size(0), S = hidden.size(1);
   const int64_t L = kv_norm_weight.size(0), R = kv_a_weight.size(0) - L;
   const int64_t N = num_heads, P = qk_nope_head_dim, V = v_head_dim;
@@ -238,3 +194,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kv_prolog(
 
 }  // namespace CPU_CAPABILITY
 }  // namespace mla_native
+
+MLA_REGISTER_ISA_KERNEL(kv_prolog)
+MLA_REGISTER_ISA_KERNEL(latent_kv_prolog)

@@ -46,7 +46,7 @@
 // in place prefetch the next tile's rows while a tile is computed (a sequence's blocks are
 // scattered over the pool).
 #include "amx.h"
-#include "ops.h"
+#include "kernels.h"
 #include "score_blocks.h"
 
 #include <ATen/cpu/Utils.h>
@@ -86,48 +86,28 @@ using Counts = c10::SmallVector<int64_t, 8>;
 
 // ------------------------------------------------------------------------------ index values
 
-// The lengths the kernel attends to, per row. validate=true: the first invalid value raises the
-// ValueError text of the Python check `check_decode_values` (every length in order first, then the
-// first bad block id a row uses, row-major). validate=false: lengths are clamped into
-// [0, maxb * bs], and a row's length is cut after its last in-range block id (trailing blocks with
-// bad ids would be skipped anyway; cutting them keeps the work proportional to real blocks).
-// All products and sums are overflow-checked: lengths and ids may be any int64.
-Counts attended_lengths(const IndexView& lens, const IndexView& table, int64_t B, int64_t maxb, int64_t NB, int64_t bs,
-                        bool validate) {
+// The lengths the kernel attends to, per row: the first invalid value raises the ValueError text of
+// the Python check `check_decode_values` (every length in order first, then the first bad block id a
+// row uses, row-major). All products and sums are overflow-checked: lengths and ids may be any int64.
+Counts attended_lengths(const IndexView& lens, const IndexView& table, int64_t B, int64_t maxb, int64_t NB,
+                        int64_t bs) {
   int64_t capacity = 0;
   if (__builtin_mul_overflow(maxb, bs, &capacity)) capacity = std::numeric_limits<int64_t>::max();
   Counts out(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lens[b];
-    if (validate) {
-      TORCH_CHECK_VALUE(n >= 1, kOpPrefix, "seq_lens[", b, "] = ", n,
-                        "; each decoding sequence holds at least its current token (seq_lens >= 1)");
-      TORCH_CHECK_VALUE(n <= capacity, kOpPrefix, "seq_lens[", b, "] = ", n,
-                        " exceeds the block table's capacity (", maxb, " blocks x ", bs, " tokens)");
-      out[b] = n;
-    } else {
-      out[b] = std::clamp<int64_t>(n, 0, capacity);
-    }
+    TORCH_CHECK_VALUE(n >= 1, kOpPrefix, "seq_lens[", b, "] = ", n,
+                      "; each decoding sequence holds at least its current token (seq_lens >= 1)");
+    TORCH_CHECK_VALUE(n <= capacity, kOpPrefix, "seq_lens[", b, "] = ", n,
+                      " exceeds the block table's capacity (", maxb, " blocks x ", bs, " tokens)");
+    out[b] = n;
   }
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = out[b];
-    if (n == 0) continue;                 // only reachable unvalidated
-    const int64_t used = (n - 1) / bs + 1;  // n <= maxb * bs, so bs >= 1 and used <= maxb
-    if (validate) {
-      for (int64_t j = 0; j < used; ++j) {
-        const int64_t id = table[b * maxb + j];
-        TORCH_CHECK_VALUE(id >= 0 && id < NB, kOpPrefix, "block_tables[", b, ", ", j, "] = ", id,
-                          " is used by sequence ", b, " but is not a block id in [0, ", NB, ")");
-      }
-    } else {
-      int64_t last = used - 1;
-      while (last >= 0) {
-        const int64_t id = table[b * maxb + last];
-        if (id >= 0 && id < NB) break;
-        --last;
-      }
-      // (last + 1) * bs <= (used - 1) * bs < n when last + 1 < used: no overflow.
-      out[b] = last < 0 ? 0 : (last + 1 >= used ? n : (last + 1) * bs);
+    const int64_t used = (out[b] - 1) / bs + 1;  // 1 <= n <= maxb * bs, so bs >= 1 and used <= maxb
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t id = table[b * maxb + j];
+      TORCH_CHECK_VALUE(id >= 0 && id < NB, kOpPrefix, "block_tables[", b, ", ", j, "] = ", id,
+                        " is used by sequence ", b, " but is not a block id in [0, ", NB, ")");
     }
   }
   return out;
@@ -1166,8 +1146,8 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
       const Query* qpb = qp_all + unit.row * N * R;
       int64_t t = unit.t0;
       // Stages the next tile: up to kTile entries from t on, a run of one block at a time; an entry
-      // whose block id is out of range (-1 in an index list; a bad table entry, only reachable
-      // unvalidated) is skipped, never read. Returns the staged count and, for the engines that
+      // whose block id is out of range (-1 in an index list; a bad table entry never gets here:
+      // the lengths and ids were validated) is skipped, never read. Returns the staged count and, for the engines that
       // read rows in place, prefetches the tile after.
       auto stage_tile = [&]() {
         int64_t nt = 0;
@@ -1404,15 +1384,15 @@ std::string attention_engine(const at::Tensor& q_latent, const at::Tensor& key_c
   return "fp32";
 }
 
-at::Tensor decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double softmax_scale, bool validate) {
+at::Tensor mla_decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double softmax_scale) {
   const int64_t B = q_latent.size(0);
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens_t = seq_lens.contiguous();
   const Counts lens =
-      attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs, validate);
+      attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs);
   return attend(q_latent, q_pe, key_cache, value_cache, DecodePositions{IndexView(tables), tables.size(1), bs}, lens,
                 softmax_scale);
 }
@@ -1434,3 +1414,7 @@ at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_
 
 }  // namespace CPU_CAPABILITY
 }  // namespace mla_native
+
+MLA_REGISTER_ISA_KERNEL(mla_decode_attention)
+MLA_REGISTER_ISA_KERNEL(sparse_mla_attention)
+MLA_REGISTER_ISA_KERNEL(attention_engine)

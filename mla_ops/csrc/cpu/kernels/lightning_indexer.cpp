@@ -21,8 +21,8 @@
 //
 // Only positions 0..p_t of a token's own request are read, all inside validated blocks.
 #include "amx.h"
-#include "checks.h"
-#include "ops.h"
+#include "../checks.h"
+#include "kernels.h"
 #include "score_blocks.h"
 
 #include <algorithm>
@@ -362,3 +362,5 @@ at::Tensor lightning_indexer(const at::Tensor& q, const at::Tensor& weights, con
 
 }  // namespace CPU_CAPABILITY
 }  // namespace mla_native
+
+MLA_REGISTER_ISA_KERNEL(lightning_indexer)

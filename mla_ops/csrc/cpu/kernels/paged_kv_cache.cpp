@@ -13,8 +13,9 @@
 // ValueError of the Python value checks (same order, same message) and writes nothing. The checks
 // use 128-bit arithmetic where int64 values are added or multiplied: a length or offset near 2**63
 // must be refused, never wrap into an accepted value.
-#include "checks.h"
+#include "../checks.h"
 #include "common.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -124,11 +125,12 @@ inline int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, bytes_per_item));
 }
 
-}  // namespace
-
-void gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, const at::Tensor& key, const at::Tensor& value,
-                        const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum, std::string_view op) {
+// gather_pa_kv_cache's work (the functional twin's too: its value errors name the in-place op, as the
+// reference's functional twin, which calls the in-place op on its clones, does).
+void gather_rows(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, const at::Tensor& key, const at::Tensor& value,
+                 const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum) {
+  constexpr std::string_view op = "gather_pa_kv_cache";
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous(), lens_t = seq_lens.contiguous();
   const int64_t Q = tables.size(0), columns = tables.size(1);
@@ -248,7 +250,6 @@ void gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cac
   });
 }
 
-namespace {
 
 // Rows of key (and of value, when present: a cache pair) into their caches at slot_mapping's slots:
 // scatter_pa_kv_cache and its one-pool twin scatter_pa_cache (`op` names the op in the messages).
@@ -319,6 +320,38 @@ at::Tensor read_before_writing(const at::Tensor& rows, std::initializer_list<con
   return rows;
 }
 
+void gather_pa_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const at::Tensor& key, const at::Tensor& value,
+                        const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum) {
+  gather_rows(key_cache, value_cache, block_tables, seq_lens, key, value, seq_offset, is_seq_lens_cumsum);
+}
+
+namespace {
+// t.clone(): a tensor with row-major strides by one memcpy into a tensor from the CPU allocator (clone's
+// copy_ is a TensorIterator pass and two dispatcher trips, most of a small gather's cost); any other
+// layout (size-1 dims with other strides included: clone keeps them) by clone.
+at::Tensor clone_strided(const at::Tensor& t) {
+  if (!t.is_contiguous()) return t.clone();
+  at::Tensor out = new_cpu_tensor(t.sizes(), t.scalar_type());
+  if (out.strides() != t.strides()) return t.clone();
+  if (t.numel() > 0) std::memcpy(out.data_ptr(), t.const_data_ptr(), t.nbytes());
+  return out;
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> gather_pa_kv_cache_functional(const at::Tensor& key_cache,
+                                                                  const at::Tensor& value_cache,
+                                                                  const at::Tensor& block_tables,
+                                                                  const at::Tensor& seq_lens, const at::Tensor& key,
+                                                                  const at::Tensor& value,
+                                                                  const std::optional<at::Tensor>& seq_offset,
+                                                                  bool is_seq_lens_cumsum) {
+  // clones keep key's / value's strides (the fake kernel promises empty_like's layout)
+  at::Tensor key_out = clone_strided(key), value_out = clone_strided(value);
+  gather_rows(key_cache, value_cache, block_tables, seq_lens, key_out, value_out, seq_offset, is_seq_lens_cumsum);
+  return {key_out, value_out};
+}
+
 void scatter_pa_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const at::Tensor key_rows = read_before_writing(key, {&key_cache, &value_cache});
@@ -332,3 +365,8 @@ void scatter_pa_cache(const at::Tensor& key, const at::Tensor& cache, const at::
 
 }  // namespace CPU_CAPABILITY
 }  // namespace mla_native
+
+MLA_REGISTER_ISA_KERNEL(gather_pa_kv_cache)
+MLA_REGISTER_ISA_KERNEL(gather_pa_kv_cache_functional)
+MLA_REGISTER_ISA_KERNEL(scatter_pa_kv_cache)
+MLA_REGISTER_ISA_KERNEL(scatter_pa_cache)

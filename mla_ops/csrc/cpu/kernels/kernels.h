@@ -1,0 +1,115 @@
+// The native CPU kernels: one declaration each (its signature, once), compiled per ISA (isa.h).
+//
+// The op kernels take their op's schema signature (mla_ops/ops/*.py), so registration.cpp serves the
+// op with them directly; they run after the op's metadata check (arguments.cpp) and this backend's
+// reasons (reasons.cpp) passed, and validate index values themselves (ValueError, with the Python
+// value check's message) before writing anything.
+#pragma once
+
+#include "../isa.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+namespace mla_native {
+
+// q_latent [B, N, L], q_pe [B, N, R]; key_cache [NB, bs, 1, L], value_cache [NB, bs, 1, R] (any
+// strides); block_tables [B, maxb] and seq_lens [B] int32/int64 -> o_latent [B, N, L] in q's dtype.
+// Raises ValueError (the message of the Python check_decode_values) when a length is outside
+// [1, maxb * bs] or a used block id is outside [0, NB), before computing anything.
+MLA_ISA_KERNEL(mla_decode_attention,
+               at::Tensor(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          double softmax_scale))
+
+// Sparse MLA. Requests as the Python ops lay them out (mla_ops/ops/sparse_attention.py):
+// block_tables [B, maxb], seq_lens [B], query_start_loc [B + 1].
+// q_latent [T, N, L], q_pe [T, N, R]; the cache pair of decode; topk_indices [T, K] int32/int64
+// (request-local positions, -1 none) -> o_latent [T, N, L] in q's dtype.
+MLA_ISA_KERNEL(sparse_mla_attention,
+               at::Tensor(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, const at::Tensor& topk_indices, double softmax_scale))
+
+// q [T, H, D], weights [T, H] (fp32 or q's dtype), k_cache [NB, bs, 1, D] (any strides) -> int32
+// [T, topk]: the positions of each token's topk best scores, best first (ties: lower position first;
+// NaN above every number), -1 past the p + 1 positions token t at position p sees.
+MLA_ISA_KERNEL(lightning_indexer,
+               at::Tensor(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, int64_t topk, double softmax_scale))
+
+// hidden [B, S, H] -> (k_nope [B, N, S, P], value [B, N, S, V], k_pe [B, 1, S, R]); bit-identical to
+// the reference kernel for the layouts reasons.cpp accepts.
+MLA_ISA_KERNEL(kv_prolog,
+               std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                   const at::Tensor& hidden_states, const at::Tensor& kv_a_weight,
+                   const std::optional<at::Tensor>& kv_a_bias, const at::Tensor& kv_norm_weight,
+                   const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                   int64_t qk_nope_head_dim, int64_t v_head_dim, double eps, std::string_view rope_layout,
+                   std::string_view rope_compute_dtype))
+
+// hidden [B, S, H] -> (latent [B, S, L] normed, k_pe [B, S, R] rotated).
+MLA_ISA_KERNEL(latent_kv_prolog,
+               std::tuple<at::Tensor, at::Tensor>(const at::Tensor& hidden_states, const at::Tensor& kv_a_weight,
+                                                  const std::optional<at::Tensor>& kv_a_bias,
+                                                  const at::Tensor& kv_norm_weight, const at::Tensor& cos,
+                                                  const at::Tensor& sin, double eps, std::string_view rope_layout,
+                                                  std::string_view rope_compute_dtype))
+
+// Every sequence's cached tokens, in order, into key [T, Hk, Dk] / value [T, Hv, Dv] (block-run copies,
+// any cache strides).
+MLA_ISA_KERNEL(gather_pa_kv_cache,
+               void(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, const at::Tensor& key, const at::Tensor& value,
+                    const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum))
+
+// The out-of-place twin: gathers into clones of key and value (their strides kept) and returns them.
+MLA_ISA_KERNEL(gather_pa_kv_cache_functional,
+               std::tuple<at::Tensor, at::Tensor>(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                                  const at::Tensor& key, const at::Tensor& value,
+                                                  const std::optional<at::Tensor>& seq_offset,
+                                                  bool is_seq_lens_cumsum))
+
+// key_cache[slot // bs, slot % bs] = key[t] (same for value) for every token t with slot >= 0.
+MLA_ISA_KERNEL(scatter_pa_kv_cache,
+               void(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& slot_mapping))
+
+// The one-pool twin (the sparse indexer's key cache): key [T, H, D] into cache [NB, bs, H, D].
+MLA_ISA_KERNEL(scatter_pa_cache, void(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping))
+
+// x [..., H] (contiguous), weight [H] in x's dtype or float32 -> [..., H] in promote_types(weight, x):
+// weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype), bit-identical to the reference kernel.
+MLA_ISA_KERNEL(rms_norm, at::Tensor(const at::Tensor& x, const at::Tensor& weight, double eps))
+
+// The tile engine mla_decode_attention / sparse_mla_attention run for these operands (after their
+// checks): "amx" (bf16 on AMX tiles through oneDNN's brgemm), "avx512_bf16" (vdpbf16ps) or "fp32".
+MLA_ISA_KERNEL(attention_engine,
+               std::string(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache))
+
+// ------------------------------------------------------- shared by the kernel files of one ISA build
+inline namespace CPU_CAPABILITY {
+
+// A request's query tokens are rows [first_token, first_token + num_queries); it holds seq_len
+// cached tokens, its queries included.
+struct SparseRequest {
+  int64_t first_token, num_queries, seq_len;
+};
+// A call's requests: inline for a few (no heap allocation on a small call).
+using SparseRequests = c10::SmallVector<SparseRequest, 4>;
+
+// The Python check_request_values: the same checks in the same order, ValueError with its
+// messages (values near 2**63 included); returns the requests.
+SparseRequests check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_blocks,
+                                    int64_t block_size);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mla_native
