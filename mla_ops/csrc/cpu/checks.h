@@ -8,6 +8,8 @@
 // ValueError (TORCH_CHECK_VALUE), both before anything is written.
 #pragma once
 
+#include "isa.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -21,10 +23,6 @@
 #include <string>
 #include <string_view>
 #include <utility>
-
-#ifndef CPU_CAPABILITY
-#error "compile with -DCPU_CAPABILITY=<AVX512|AVX2|DEFAULT> (setup.py does)"
-#endif
 
 namespace mla_native {
 inline namespace CPU_CAPABILITY {

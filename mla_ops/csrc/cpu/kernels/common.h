@@ -1,15 +1,12 @@
-// Shared helpers for the native CPU kernels of mla-ops.
-//
-// Every source in this folder is compiled once per ISA (see setup.py): with
-// -DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512 (+ -mavx512*), with AVX2 (+ -mavx2 -mfma -mf16c)
-// and with DEFAULT (scalar fallback on x86, NEON on aarch64). ATen's vec headers pick their
-// implementation from those macros, and put it in the inline namespace `CPU_CAPABILITY`; our code
-// does the same, so the three builds never share a symbol even if two of them are loaded into one
-// process (the tests compare them side by side).
+// Shared helpers of the kernel files (compiled once per ISA, isa.h): ATen's vec headers pick their
+// implementation from the CPU_CAPABILITY macros and put it in the inline namespace `CPU_CAPABILITY`; the
+// helpers here live there too, so each ISA build of a kernel gets its own copy.
 #pragma once
 
-// Narrow ATen headers (not ATen/ATen.h): this folder is compiled three times, and the full header
-// set roughly doubles the build time.
+#include "../isa.h"
+
+// Narrow ATen headers (not ATen/ATen.h): the kernel files are compiled once per ISA, and the full
+// header set roughly doubles the build time.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,10 +18,6 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
-
-#ifndef CPU_CAPABILITY
-#error "compile with -DCPU_CAPABILITY=<AVX512|AVX2|DEFAULT> (setup.py does)"
-#endif
 
 namespace mla_native {
 inline namespace CPU_CAPABILITY {
