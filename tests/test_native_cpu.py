@@ -85,6 +85,32 @@ def test_the_isa_override_at_import(isa):
     assert out.stdout.strip() == isa
 
 
+@pytest.mark.parametrize("value", ["sse9", "avx1024"])
+def test_an_unknown_isa_override_leaves_the_reference_kernels_with_the_reason(value):
+    """A build the extension does not have: the native kernels stay unloaded (nothing registered), the import
+    warns with the reason, and the ops run on the reference kernels."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, torch\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import mla_ops\n"
+            "from mla_ops.backends import cpu_native\n"
+            "print(cpu_native.unavailable_reason())\n"
+            "print(any('native CPU kernels are unavailable' in str(w.message) for w in caught))\n"
+            "print(torch._C._dispatch_has_kernel_for_dispatch_key('mla::rms_norm', 'CPU'))\n"
+            "x = torch.randn(2, 8)\n"
+            "from mla_ops.ops.rms_norm import rms_norm_reference\n"
+            "print(torch.equal(torch.ops.mla.rms_norm(x, torch.ones(8)), rms_norm_reference(x, torch.ones(8))))\n")
+    env = dict(os.environ, **{native_cpu.ENV_ISA: value, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    env.pop(native_cpu.ENV_NO_NATIVE, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    reason, warned, registered, equal = out.stdout.strip().splitlines()
+    assert reason == f"{native_cpu.ENV_ISA}={value!r} is not one of {native_cpu.ISAS}"
+    assert (warned, registered, equal) == ("True", "False", "True")
+
+
 # ------------------------------------------------------------------------------------ decode attention
 
 N, L, R = 4, 64, 16  # small heads; L/R exercise the vector body and (L=67 below) scalar tails
