@@ -15,6 +15,10 @@ ops (`torch.ops.mla.*` with the default backend) are the oracle:
 """
 
 import os
+import platform
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -109,6 +113,37 @@ def test_an_unknown_isa_override_leaves_the_reference_kernels_with_the_reason(va
     reason, warned, registered, equal = out.stdout.strip().splitlines()
     assert reason == f"{native_cpu.ENV_ISA}={value!r} is not one of {native_cpu.ISAS}"
     assert (warned, registered, equal) == ("True", "False", "True")
+
+
+# Instructions that need more than baseline x86-64: AVX / AVX2 / AVX-512 registers and VEX / EVEX mnemonics.
+_BEYOND_BASELINE = re.compile(r"%[yz]mm\d|%k[0-7]\b|^\s*[0-9a-f]+:\s+v[a-z0-9]+\s", re.MULTILINE)
+
+
+# Names of the copies the compiler makes of a function for one file (clones, cold parts): local to that file.
+_FILE_LOCAL_COPY = re.compile(r"\.(isra|constprop|cold|part)\b")
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the ISA builds are x86-64's")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump (installed with the compiler)")
+def test_code_shared_by_the_isa_builds_runs_on_any_x86_64_cpu():
+    """One library holds every ISA build and loads on every CPU: each function that uses AVX / AVX2 / AVX-512
+    instructions belongs to one build (its CPU_CAPABILITY namespace, or a copy local to one of its files). The
+    load-time code and the one copy the linker keeps of an inline function several builds emit (c10's error
+    formatting, say, which the AVX512 build compiles with VEX encodings) need nothing beyond baseline x86-64:
+    setup.py puts the DEFAULT build first on the link line."""
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", native_cpu.load().__file__], capture_output=True,
+                             text=True, check=True).stdout
+    offending, own = [], 0
+    for function in re.split(r"\n(?=[0-9a-f]+ <)", listing):
+        name = re.match(r"[0-9a-f]+ <([^>]+)>:", function)
+        if name is None or not _BEYOND_BASELINE.search(function):
+            continue
+        if "4AVX2" in name.group(1) or "6AVX512" in name.group(1) or _FILE_LOCAL_COPY.search(name.group(1)):
+            own += 1
+        else:
+            offending.append(name.group(1))
+    assert offending == []
+    assert own > 100  # the builds' own vector code is in the listing
 
 
 # ------------------------------------------------------------------------------------ decode attention
