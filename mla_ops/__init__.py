@@ -17,6 +17,7 @@ from .backends import explain
 from .ops import (
     gather_pa_kv_cache,
     gather_pa_kv_cache_into,
+    kv_compressor,
     kv_prolog,
     latent_kv_prolog,
     lightning_indexer,
@@ -26,6 +27,9 @@ from .ops import (
     rope,
     scatter_pa_cache,
     scatter_pa_kv_cache,
+    shared_kv_attention,
+    shared_kv_prolog,
+    shared_kv_q_prolog,
     sparse_mla_attention,
     to_global_slots,
 )
@@ -69,4 +73,5 @@ __all__ = [
     "rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog",
     "scatter_pa_kv_cache", "gather_pa_kv_cache", "gather_pa_kv_cache_into", "mla_decode_attention",
     "scatter_pa_cache", "lightning_indexer", "sparse_mla_attention", "to_global_slots",
+    "shared_kv_q_prolog", "shared_kv_prolog", "kv_compressor", "shared_kv_attention",
 ]

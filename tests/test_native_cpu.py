@@ -963,6 +963,347 @@ def test_scatter_pa_cache_matches_reference(isa):
     assert torch.equal(cache, want)
 
 
+# ------------------------------------------------------------------- DeepSeek-V4: shared-KV attention
+
+
+def _blocks_of(rows, block_size, g, *, first=0):
+    """Distinct random block ids for row ranges: a table [B, max columns + 1] (-1 padded) whose row b
+    addresses rows 0 .. rows[b] - 1, with columns before `first[b] // block_size` left -1 (never read),
+    and the pool's block count (the blocks addressed plus 2 spare)."""
+    first = first if isinstance(first, list) else [first] * len(rows)
+    need = [-(-n // block_size) for n in rows]
+    kept = [range(f // block_size if n else 0, c) for f, n, c in zip(first, rows, need)]
+    num_blocks = sum(len(k) for k in kept) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(rows), max(need, default=0) + 1), -1, dtype=torch.int32)
+    used = 0
+    for b, columns in enumerate(kept):
+        tables[b, columns.start:columns.stop] = perm[used : used + len(columns)].to(torch.int32)
+        used += len(columns)
+    return tables, num_blocks
+
+
+def _shared_kv_case(dtype, seq_lens, q_lens, *, heads, dim=512, window=128, block_size=64, ratio=None,
+                    entry_block_size=64, topk=None, sinks=True, seed=0):
+    """The arguments of mla.shared_kv_attention: random pools whose window tables hold only the blocks a
+    request's query tokens read (the columns before its first window are -1: freed blocks); with
+    `ratio`, seq_lens // ratio compressed entries per request in a second pool, all visible ones attended
+    (topk None) or `topk` listed per token: distinct visible entries in a random order, -1 mixed in and
+    the first repeated (attended twice). Positional, with every optional argument given."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    firsts = [max(0, n - q - window + 1) for n, q in zip(seq_lens, q_lens)]
+    tables, num_blocks = _blocks_of(seq_lens, block_size, g, first=firsts)
+    kv_cache = torch.randn(num_blocks, block_size, 1, dim, generator=g).to(dtype)
+    positions = _token_positions(torch.tensor(seq_lens), starts)
+    q = torch.randn(len(positions), heads, dim, generator=g).to(dtype)
+    sink_logits = torch.randn(heads, generator=g) * 1.5 if sinks else None
+    args = [q, kv_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), starts, sink_logits, dim**-0.5, window,
+            None, None, 1, None]
+    if ratio is not None:
+        entries = [n // ratio for n in seq_lens]
+        entry_tables, entry_blocks = _blocks_of(entries, entry_block_size, g)
+        args[8:11] = [torch.randn(entry_blocks, entry_block_size, 1, dim, generator=g).to(dtype), entry_tables, ratio]
+        if topk is not None:
+            listed = torch.full((len(positions), topk), -1, dtype=torch.int32)
+            for t, (_, p) in enumerate(positions):
+                picked = torch.randperm((p + 1) // ratio, generator=g)[: max(topk - 2, 0)]
+                listed[t, : picked.shape[0]] = picked
+                if picked.numel():
+                    listed[t, -1] = picked[0]
+                listed[t] = listed[t, torch.randperm(topk, generator=g)]
+            args[11] = listed
+    return tuple(args)
+
+
+def _shared_kv_exact(*args):
+    """The reference kernel in fp64: the exact attention, to judge both kernels by."""
+    return torch.ops.mla.shared_kv_attention(*(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                               else a for a in args))
+
+
+def _check_shared_kv_accuracy(out, ref, exact, dtype):
+    """As `_check_decode_accuracy`, with more fp32 slack for 512-dim rows: the AVX2 and portable fp32
+    engine (heads in the lanes) sums each score's 512 products in one chain, where ATen's GEMM sums them
+    in blocks, so its fp32 scores, and outputs, land up to ~8 ulps further from the exact ones (the case
+    database's fp32 bound is 64)."""
+    err = (out.double() - exact).abs().max().item()
+    ref_err = (ref.double() - exact).abs().max().item()
+    ulp = torch.finfo(dtype).eps * max(1.0, exact.abs().max().item())
+    assert err <= ref_err + (16 if dtype == torch.float32 else 1) * ulp, (err, ref_err)
+    assert err <= _DECODE_TOL[dtype], err
+
+
+SHARED_KV_MODES = {
+    # DeepSeek-V4-Flash: sliding window 128; CSA entries every 4 tokens, 512 of them listed; HCA every 128
+    "window-only": dict(seq_lens=[3000], ratio=None),
+    "csa-512-listed": dict(seq_lens=[8192], ratio=4, topk=512),
+    "hca-all-512-visible": dict(seq_lens=[65536], ratio=128),
+}
+
+
+# (dtype, AMX allowed): bf16 on each tile engine the CPU has, fp32 and fp16 on the fp32 engine
+SHARED_KV_ENGINES = {"bfloat16-amx-allowed": (torch.bfloat16, True), "bfloat16-amx-off": (torch.bfloat16, False),
+                     "float32": (torch.float32, True), "float16": (torch.float16, True)}
+
+
+@pytest.mark.parametrize("engine", list(SHARED_KV_ENGINES))
+@pytest.mark.parametrize("q_len", [1, 16], ids=["decode", "prefill-chunk"])
+@pytest.mark.parametrize("mode", list(SHARED_KV_MODES))
+def test_shared_kv_at_v4_flash_dims(isa, mode, q_len, engine, monkeypatch):
+    """DeepSeek-V4-Flash's attention (head_dim 512, window 128; 64 heads decoding one token, 16 for a
+    prefill chunk, plus a second request decoding next to it) on each tile engine the CPU has: never
+    less accurate than the reference against the fp64 result (within one output ulp; fp32 within a few),
+    bf16 on the engine the decode kernel would pick."""
+    dtype, amx = SHARED_KV_ENGINES[engine]
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
+    spec = dict(SHARED_KV_MODES[mode])
+    seq_lens = [spec.pop("seq_lens")[0] + q_len - 1, 700]
+    args = _shared_kv_case(dtype, seq_lens, [q_len, 1], heads=64 if q_len == 1 else 16, seed=q_len, **spec)
+    if dtype == torch.bfloat16:
+        assert native_cpu.attention_engine(args[0], args[1], args[1][..., :0]) == _expected_bf16_engine(isa, amx)
+    got = native("shared_kv_attention", *args)
+    want = torch.ops.mla.shared_kv_attention(*args)
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    _check_shared_kv_accuracy(got, want, _shared_kv_exact(*args), dtype)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
+def test_shared_kv_output_is_the_fp32_result_rounded_once(isa, amx, monkeypatch):
+    """The weights stay fp32 through P . rows (the bf16 engines add each weight's bf16 rounding back in a
+    second product): with positive rows in [1, 2) every bf16 output is the exact result rounded to
+    nearest, to within what fp32 sums lose (a kernel that rounded the weights to bf16 would be off by
+    up to 2^-9 more, past the half-ulp bound on some of these 64 heads x 512 dims)."""
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
+    args = list(_shared_kv_case(torch.bfloat16, [2000, 300], [1, 1], heads=64, ratio=4, topk=256, sinks=False,
+                                seed=5))
+    for i in (1, 8):  # rows of both pools in [1, 2) (no sinks: weights summing to 1): bf16 spacing 2^-7
+        rows = torch.rand(args[i].shape, generator=torch.Generator().manual_seed(i))
+        args[i] = (1 + 0.99 * rows).to(torch.bfloat16)
+    args[0] = args[0] * 4  # peaked weights: a few rows carry most of each output
+    got = native("shared_kv_attention", *args).double()
+    exact = _shared_kv_exact(*args)
+    assert bool(((exact >= 1) & (exact < 2)).all())
+    bound = 2.0**-8 + 1e-5  # half the spacing, plus fp32's share
+    assert (got - exact).abs().max().item() <= bound
+    assert (torch.ops.mla.shared_kv_attention(*args).double() - exact).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["window", "listed", "all-visible"])
+def test_shared_kv_split_over_threads(isa, threads, mode):
+    """Prefill from 0, a chunk, decode steps and an idle request in one call, their entries cut into one
+    slice per thread and merged (with the sinks) per head: every split within fp32 rounding of the fp64
+    result; a NaN in the row only the last token of request 0 reads makes that token's output NaN and
+    leaves every other token's bits alone."""
+    ratio, topk = {"window": (None, None), "listed": (4, 24), "all-visible": (4, None)}[mode]
+    seq_lens, q_lens = [170, 300, 41, 90, 7], [170, 1, 20, 1, 0]
+    args = _shared_kv_case(torch.float32, seq_lens, q_lens, heads=5, dim=48, window=32, block_size=16, ratio=ratio,
+                           entry_block_size=5, topk=topk, seed=7)
+    exact = _shared_kv_exact(*args)
+    poisoned = list(args)
+    poisoned[1] = args[1].clone()
+    poisoned[1][int(args[2][0, (170 - 1) // 16]), (170 - 1) % 16, 0, 3] = float("nan")  # position 169
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native("shared_kv_attention", *args)
+        bad = native("shared_kv_attention", *poisoned)
+    finally:
+        torch.set_num_threads(previous)
+    assert (out.double() - exact).abs().max().item() < 1e-5
+    assert bad[169].isnan().all()
+    assert torch.equal(bad[:169], out[:169]) and torch.equal(bad[170:], out[170:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("mode", ["listed", "all-visible"])
+def test_shared_kv_unattended_poison_never_leaks(isa, dtype, poison, mode):
+    """NaN/inf in every row no token attends — window rows before or past every window, spare blocks,
+    entries not listed or not yet visible, the slots past the last entry — leaves the output bit for bit
+    unchanged."""
+    seq_lens, q_lens, window, bs, ebs, ratio = [45, 30, 17], [3, 1, 17], 6, 4, 3, 2
+    args = _shared_kv_case(dtype, seq_lens, q_lens, heads=4, dim=64, window=window, block_size=bs, ratio=ratio,
+                           entry_block_size=ebs, topk=5 if mode == "listed" else None, seed=11)
+    clean = native("shared_kv_attention", *args)
+    read_rows = torch.zeros(args[1].shape[:2], dtype=torch.bool)
+    read_entries = torch.zeros(args[8].shape[:2], dtype=torch.bool)
+    for t, (b, p) in enumerate(_token_positions(torch.tensor(seq_lens), args[4])):
+        for j in range(max(0, p - window + 1), p + 1):
+            read_rows[int(args[2][b, j // bs]), j % bs] = True
+        listed = range((p + 1) // ratio) if args[11] is None else [int(w) for w in args[11][t] if w >= 0]
+        for w in listed:
+            read_entries[int(args[9][b, w // ebs]), w % ebs] = True
+    poisoned = list(args)
+    poisoned[1], poisoned[8] = args[1].clone(), args[8].clone()
+    poisoned[1][~read_rows] = poison
+    poisoned[8][~read_entries] = poison
+    assert torch.equal(native("shared_kv_attention", *poisoned), clean)
+
+
+def test_shared_kv_sinks(isa):
+    """Sinks of -inf are no sinks (bit for bit); a sink far above every logit leaves a small output, as the
+    fp64 result does; a NaN or +inf sink makes its head's output NaN, as the reference's softmax does, and
+    leaves the other heads alone; sinks in q's dtype are their fp32 values."""
+    args = list(_shared_kv_case(torch.bfloat16, [300, 20], [1, 4], heads=8, dim=64, window=16, block_size=16, ratio=4,
+                                entry_block_size=8, seed=13))
+    args[5] = None
+    plain = native("shared_kv_attention", *args)
+    args[5] = torch.full((8,), float("-inf"))
+    assert torch.equal(native("shared_kv_attention", *args), plain)
+    args[5] = torch.arange(-4.0, 4.0) * 0.75
+    base = native("shared_kv_attention", *args)
+    args[5] = args[5].to(torch.bfloat16)  # exact in bf16
+    assert torch.equal(native("shared_kv_attention", *args), base)
+    args[5] = torch.arange(-4.0, 4.0) * 0.75
+    args[5][7] = 40.0
+    dominant = native("shared_kv_attention", *args)
+    assert normalised_error(dominant[:, 7], _shared_kv_exact(*args)[:, 7]) <= 2 * 2.0**-7
+    assert torch.equal(dominant[:, :7], base[:, :7])
+    for value in (float("nan"), float("inf")):
+        args[5][2] = value
+        got, want = native("shared_kv_attention", *args), torch.ops.mla.shared_kv_attention(*args)
+        assert got[:, 2].isnan().all() and want[:, 2].isnan().all()
+        assert torch.equal(got[:, :2], base[:, :2]) and torch.equal(got[:, 3:7], base[:, 3:7])
+
+
+def test_shared_kv_extreme_windows_and_ratios(isa):
+    """A window and a compress ratio near 2**63 (every position in the window; no entry visible) and a
+    window of one row (the token itself): the same attention as the windows and entries they stand for."""
+    args = list(_shared_kv_case(torch.float32, [40, 9], [3, 1], heads=3, dim=32, window=64, block_size=8, ratio=4,
+                                entry_block_size=4, seed=17))
+    whole = native("shared_kv_attention", *args)
+    assert torch.equal(native("shared_kv_attention", *args[:7], 2**63 - 1, *args[8:]), whole)
+    no_entries = native("shared_kv_attention", *args[:8])
+    assert torch.equal(native("shared_kv_attention", *args[:10], 2**63 - 1, None), no_entries)
+    itself = native("shared_kv_attention", *args[:7], 1)
+    assert (itself.double() - _shared_kv_exact(*args[:7], 1)).abs().max().item() < 1e-5
+
+
+SHARED_KV_BAD = {
+    "window-block-read-is-freed": lambda a: a[2].__setitem__((0, (40 - 3 - 4 + 1) // 8), -1),
+    "window-block-past-pool": lambda a: a[2].__setitem__((1, 0), 10**6),
+    "seq-len-past-capacity": lambda a: a[3].__setitem__(1, 10**4),
+    "fewer-tokens-than-queries": lambda a: a[3].__setitem__(0, 2),
+    "listed-entry-not-visible": lambda a: a[11].__setitem__((1, 0), 10),
+    "listed-entry-near-2**63": lambda a: a.__setitem__(11, a[11].long().index_fill(1, torch.tensor([2]), 2**63 - 1)),
+    "listed-entry-block-freed": lambda a: a[9].__setitem__((0, 0), -1),
+    "visible-entry-block-freed": lambda a: (a.__setitem__(11, None), a[9].__setitem__((1, 0), -1)),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED_KV_BAD))
+def test_shared_kv_bad_values_same_error(isa, case):
+    """Index values the CPU refuses: the reference's ValueError, word for word."""
+    args = list(_shared_kv_case(torch.float32, [40, 9], [3, 1], heads=2, dim=16, window=4, block_size=8, ratio=4,
+                                entry_block_size=2, topk=3, seed=19))
+    args[11][:, 0] = 0  # every token lists entry 0 (each sees at least 2)
+    SHARED_KV_BAD[case](args)
+    with pytest.raises(ValueError) as expected:
+        torch.ops.mla.shared_kv_attention(*args)
+    with pytest.raises(ValueError) as got:
+        native("shared_kv_attention", *args)
+    assert str(got.value) == str(expected.value)
+
+
+def test_shared_kv_float64_and_strided_pools_are_served_by_the_reference(isa):
+    args = _shared_kv_case(torch.float32, [20], [2], heads=2, dim=16, window=4, block_size=4, ratio=2,
+                           entry_block_size=4, seed=23)
+    strided = list(args)
+    strided[8] = args[8].transpose(1, 3).contiguous().transpose(1, 3)  # last dim stride 4
+    as_double = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    for call, reason in [(strided, "the pools' last dim (kv_cache, compressed_cache) must be unit-stride"),
+                         (as_double, "torch.float64 is not served by the native kernels")]:
+        expected = torch.ops.mla.shared_kv_attention(*call)  # the reference (this file's default)
+        with mla_ops.use_backend("auto"):
+            assert f"not cpu_native: {reason}" in mla_ops.explain("shared_kv_attention", *call)
+            assert torch.equal(torch.ops.mla.shared_kv_attention(*call), expected)
+
+
+def test_shared_kv_long_prefill_runs_in_groups_of_rows(isa):
+    """A prefill of 600 tokens x 128 heads x 512 dims: more rows than one group's fp32 partials hold (255
+    rows of 128 x 514 floats in 64 MiB), so the rows run in three groups, each over its own entries."""
+    args = _shared_kv_case(torch.float32, [600, 50], [600, 1], heads=128, window=8, block_size=16, ratio=16,
+                           entry_block_size=8, seed=37)
+    got = native("shared_kv_attention", *args)
+    _check_shared_kv_accuracy(got, torch.ops.mla.shared_kv_attention(*args), _shared_kv_exact(*args), torch.float32)
+
+
+def test_shared_kv_empty_calls(isa):
+    """No query token, and a listed width of 0 (only the window)."""
+    args = _shared_kv_case(torch.bfloat16, [9, 6], [0, 0], heads=2, dim=32, window=4, block_size=4, ratio=2,
+                           entry_block_size=4, topk=3, seed=29)
+    assert native("shared_kv_attention", *args).shape == (0, 2, 32)
+    args = _shared_kv_case(torch.bfloat16, [9, 6], [1, 2], heads=2, dim=32, window=4, block_size=4, ratio=2,
+                           entry_block_size=4, topk=3, seed=29)
+    no_list = native("shared_kv_attention", *args[:11], args[11][:, :0])
+    assert torch.equal(no_list, native("shared_kv_attention", *args[:8]))
+
+
+# ------------------------------------------------------------- DeepSeek-V4: the compressed indexer
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "prefill-chunk"])
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_indexer_compressed_entries_random_floats_at_v4_dims(isa, ratio, q_len, dtype, amx, monkeypatch):
+    """DeepSeek-V4's indexer (64 heads x 128, top-512) over compressed keys (one per `ratio` tokens): each
+    token ranks the entries w < (p + 1) // ratio it sees, the native top-k equal to the reference's but
+    for entries whose exact score lies within a relative 1e-5 of the k-th, in descending score order,
+    -1 past what it sees (the first tokens of a prefill from 0 see none)."""
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
+    topk, scale = 512, 128**-0.5
+    entries = [700 + q_len // ratio, 300, 3]
+    q_lens = [q_len, 1, 4 * ratio - 1]  # the last request: a prefill of all its tokens
+    q, weights, k_cache, keys, tables, _, starts = _indexer_case(dtype, entries, q_lens, heads=64, dim=128,
+                                                                 block_size=64, seed=ratio + q_len)
+    seq_lens = torch.tensor([n * ratio + ratio - 1 for n in entries], dtype=torch.int32)  # n entries, a window open
+    args = (q, weights, k_cache, tables, seq_lens, starts, topk, scale, ratio)
+    got = native("lightning_indexer", *args)
+    want = torch.ops.mla.lightning_indexer(*args)
+    assert got.shape == want.shape and got.dtype == torch.int32
+    for t, (b, p) in enumerate(_token_positions(seq_lens, starts)):
+        seen = (p + 1) // ratio
+        k = min(topk, seen)
+        assert torch.equal(got[t, k:], torch.full_like(got[t, k:], -1))
+        if k == 0:
+            continue
+        exact = torch.relu(scale * (q[t].double() @ keys[b][:seen].t())).t() @ weights[t].double()
+        chosen = got[t, :k].long()
+        assert len(set(chosen.tolist())) == k and int(chosen.min()) >= 0 and int(chosen.max()) < seen
+        kth = exact.sort(descending=True).values[k - 1]
+        near = (exact - kth).abs() <= 1e-5 * kth.abs()
+        differ = torch.tensor(sorted(set(chosen.tolist()) ^ set(want[t, :k].long().tolist())), dtype=torch.long)
+        assert bool(near[differ].all()), (t, differ[~near[differ]])
+        ranked = exact[chosen]
+        assert bool((ranked[1:] <= ranked[:-1] + 1e-5 * torch.maximum(ranked[:-1].abs(), kth.abs())).all())
+
+
+def test_indexer_ratio_1_is_the_uncompressed_indexer(isa):
+    """compress_ratio=1 (the default) is the indexer over one key per token, bit for bit."""
+    q, weights, k_cache, _, tables, seq_lens, starts = _indexer_case(torch.bfloat16, [300, 40], [5, 1], heads=8,
+                                                                     dim=64, block_size=16, seed=31)
+    args = (q, weights, k_cache, tables, seq_lens, starts, 32, 0.125)
+    assert torch.equal(native("lightning_indexer", *args, 1), native("lightning_indexer", *args))
+    assert torch.equal(native("lightning_indexer", *args), torch.ops.mla.lightning_indexer(*args))
+
+
+def test_indexer_ratio_near_2_63_sees_no_entry(isa):
+    """A compress ratio past every length: no request holds an entry, every row is -1 (no block read)."""
+    q, weights, k_cache, _, tables, seq_lens, starts = _indexer_case(torch.float32, [30, 4], [5, 1], heads=2, dim=16,
+                                                                     block_size=8, seed=41)
+    tables = torch.full_like(tables, -1)  # none is read
+    args = (q, weights, k_cache, tables, seq_lens, starts, 4, 0.25, 2**63 - 1)
+    got = native("lightning_indexer", *args)
+    assert torch.equal(got, torch.full((6, 4), -1, dtype=torch.int32))
+    assert torch.equal(got, torch.ops.mla.lightning_indexer(*args))
+
+
 # ------------------------------------------------------------------------------------------- opcheck
 
 
@@ -1002,6 +1343,8 @@ def _tiny_calls():
     q, weights, k_cache, _, sparse_tables, sparse_lens, starts = _indexer_case(torch.float32, [40, 9], [3, 1], heads=4,
                                                                                  dim=16, block_size=16)
     sparse = _sparse_case(torch.float32, sparse_tables, sparse_lens, starts, topk=8, heads=4, L=32, R=8)
+    shared_kv = _shared_kv_case(torch.float32, [40, 9], [3, 1], heads=4, dim=32, window=8, block_size=16, ratio=4,
+                                entry_block_size=4, topk=4)
     return {
         "mla_decode_attention": lambda: torch.ops.mla.mla_decode_attention(
             q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1),
@@ -1017,6 +1360,7 @@ def _tiny_calls():
         "lightning_indexer": lambda: torch.ops.mla.lightning_indexer(
             q, weights, k_cache, sparse_tables, sparse_lens, starts, 8, 0.25),
         "sparse_mla_attention": lambda: torch.ops.mla.sparse_mla_attention(*sparse, 0.1),
+        "shared_kv_attention": lambda: torch.ops.mla.shared_kv_attention(*shared_kv),
     }
 
 

@@ -735,3 +735,99 @@ def test_capture_refuses_a_host_sync_and_the_npu_kernels_replay_new_inputs():
             elif op.startswith("scatter"):
                 assert fused == ["npu_scatter_nd_update_"] * (3 * (2 if op == "scatter_pa_kv_cache" else 1)), fused
     """)
+
+
+# --- DeepSeek-V4's shared-KV attention on CANN's sparse_flash_mla ---
+SHARED_KV_PRELUDE = SPARSE_PRELUDE + """
+import cann_ops_transformer
+def shared_kv_args(mode="csa", heads=8, dim=512, dtype=torch.bfloat16, block_size=16, window=128, ratio=None,
+                   sinks=True, topk=24):
+    '''q [T, H, D], a window pool and a compressed pool (shuffled blocks), int32 tables, lengths and
+    query starts of a chunked prefill (3 tokens at 300), a decode (at 150) and a prefill (of 40),
+    sinks, the scale, and for CSA distinct visible entries with -1s.'''
+    ratio = ratio or {"csa": 4, "hca": 128, "swa": 1}[mode]
+    seq_lens, q_lens = (300, 150, 40), (3, 1, 40)
+    tables, lens, loc = requests(block_size=block_size, num_blocks=640 // block_size, seq_lens=seq_lens,
+                                 q_lens=q_lens, width=320 // block_size)
+    T = int(loc[-1])
+    q = torch.randn(T, heads, dim).to(dtype)
+    pool = torch.randn(640 // block_size, block_size, 1, dim).to(dtype)
+    args = [q, pool, tables, lens, loc, torch.randn(heads) if sinks else None, dim ** -0.5, window]
+    if mode == "swa":
+        return tuple(args)
+    ctables, _, _ = requests(block_size=block_size, num_blocks=160 // block_size,
+                             seq_lens=[n // ratio for n in seq_lens], q_lens=q_lens, width=96 // block_size)
+    cpool = torch.randn(160 // block_size, block_size, 1, dim).to(dtype)
+    args += [cpool, ctables, ratio, None]
+    if mode == "csa":
+        rows = []
+        for b, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
+            for i in range(q_len):
+                visible = (n - q_len + i + 1) // ratio
+                picked = torch.randperm(visible)[:topk].tolist()
+                rows.append(picked + [-1] * (topk - len(picked)))
+        args[-1] = torch.tensor(rows, dtype=torch.int32)
+    return tuple(args)
+def shared_kv_npu_and_reference(args):
+    text = mla_ops.explain("shared_kv_attention", *on_npu(args))
+    assert text.startswith("mla.shared_kv_attention: npu") and "sparse_flash_mla" in text, text
+    start = len(torch_npu.CALLS)
+    got = torch.ops.mla.shared_kv_attention(*on_npu(args)).cpu()
+    calls = dict(torch_npu.CALLS[start:])
+    return got, torch.ops.mla.shared_kv_attention(*args), calls["sparse_flash_mla_metadata"], calls["sparse_flash_mla"]
+"""
+
+
+@pytest.mark.parametrize("mode", ["csa", "hca", "swa"])
+def test_shared_kv_attention_reaches_sparse_flash_mla_with_the_documented_arguments(mode):
+    """TND queries over PA_BBND pools, the window as a 128-token band (ori_mask_mode 4, win_left 127),
+    the compressed side right-down causal over seq_lens = seqused_cmp_kv * m + cmp_residual_kv, CSA's
+    entries as cmp_sparse_indices [T, 1, K]; the reference's result."""
+    run(SHARED_KV_PRELUDE + textwrap.dedent(f"""
+        args = shared_kv_args({mode!r})
+        got, want, split, call = shared_kv_npu_and_reference(args)
+        T, H, D = args[0].shape
+        assert call["layout_q"] == split["layout_q"] == "TND" and call["layout_kv"] == "PA_BBND"
+        assert call["ori_mask_mode"] == 4 and call["ori_win_left"] == 127 and call["ori_win_right"] == 0
+        assert call["sinks"] == ((H,), torch.float32, True) and split["max_seqlen_q"] == 40
+        assert call["seqused_ori_kv"] == ((3,), torch.int32, True) and call["cu_seqlens_q"][0] == (4,)
+        if {mode!r} == "swa":
+            assert call["cmp_kv"] is None and call["cmp_ratio"] == 1 and call["cmp_mask_mode"] == 0
+        else:
+            assert call["cmp_mask_mode"] == 3 and call["cmp_residual_kv"] == ((3,), torch.int32, True)
+            assert call["cmp_ratio"] == {dict(csa=4, hca=128, swa=1)[mode]}
+        if {mode!r} == "csa":
+            assert call["cmp_sparse_indices"] == ((T, 1, 24), torch.int32, True) and split["cmp_topk"] == 24
+        else:
+            assert call["cmp_sparse_indices"] is None and split["cmp_topk"] == 0
+        assert got.dtype == torch.bfloat16 and got.shape == (T, H, D)
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got.float() - want.float()).abs().max()
+    """))
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"window": 64}, "sliding_window 64"),
+    ({"sinks": False}, "no sinks"),
+    ({"dtype": "float32"}, "dtype torch.float32"),
+    ({"heads": 6}, "6 heads"),
+    ({"dim": 256}, "head_dim 256"),
+    ({"block_size": 8}, "block_size 8"),
+    ({"ratio": 8}, "compress_ratio 8 for CSA"),
+    ({"mode": "hca", "ratio": 64}, "compress_ratio 64 for HCA"),
+])
+def test_shared_kv_attention_falls_back_with_the_reason_and_a_demand_is_refused(change, reason):
+    run(SHARED_KV_PRELUDE + textwrap.dedent(f"""
+        kwargs = {change!r}.copy()
+        if "dtype" in kwargs:
+            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+        args = shared_kv_args(**kwargs)
+        text = mla_ops.explain("shared_kv_attention", *on_npu(args))
+        assert text.startswith("mla.shared_kv_attention: reference") and {reason!r} in text, text
+        calls = len(torch_npu.CALLS)
+        got = torch.ops.mla.shared_kv_attention(*on_npu(args)).cpu()
+        assert len(torch_npu.CALLS) == calls  # sparse_flash_mla never called
+        assert torch.equal(got, torch.ops.mla.shared_kv_attention(*args))
+        refused = pytest.raises(NotImplementedError, match="cannot serve this call.*" + {reason!r})
+        with mla_ops.use_backend("npu"), refused:
+            torch.ops.mla.shared_kv_attention(*on_npu(args))
+    """))

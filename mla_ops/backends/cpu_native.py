@@ -13,8 +13,8 @@ Importing the extension registers its kernels on the dispatcher (static ``TORCH_
 `torch.ops.mla.<op>` on CPU tensors runs no Python: the C++ kernel runs the op's metadata check (the
 C++ twin of the Python one, same messages), this backend's reasons (in C++ too; `mla_ops.explain`
 asks them through `torch.ops.mla_native.reasons`), the index-value checks (ValueError, nothing
-written) and the kernel. What the kernels do not serve (float64, gradcheck's dtype; decode and
-sparse-attention caches whose last dim is not unit-stride; a prolog rotating k_pe with
+written) and the kernel. What the kernels do not serve (float64, gradcheck's dtype; decode,
+sparse-attention and shared-KV attention caches whose last dim is not unit-stride; a prolog rotating k_pe with
 rope_compute_dtype="activation" in fp16 / bf16; pair-major rotary tables; the "neox" layout; an
 rms_norm of a non-contiguous x, or with a weight neither in x's dtype nor float32) goes to
 the reference kernels, with the reason in `mla_ops.explain(...)`, or is refused when this backend was
@@ -45,15 +45,16 @@ ISAS = ("avx512", "avx2", "default")
 ENV_ISA = "MLA_OPS_NATIVE_ISA"
 # set (not "0"): setup.py builds no native kernels, and `import mla_ops` does not warn that they are missing
 ENV_NO_NATIVE = "MLA_OPS_NO_NATIVE"
-# "0" turns off the AMX tile engine of the decode / sparse attention kernels (read on every call):
+# "0" turns off the AMX tile engine of the decode / sparse / shared-KV attention kernels (read on every call):
 # bf16 then runs on the AVX512-BF16 engine, e.g. to compare the two on one machine.
 ENV_AMX = "MLA_OPS_NATIVE_AMX"
 
 # The ops the extension serves from the dispatcher: one `register_native_op` line each in
 # csrc/cpu/registration.cpp (a test checks the two lists agree).
 NATIVE_OPS = (
-    "mla_decode_attention", "sparse_mla_attention", "lightning_indexer", "kv_prolog", "latent_kv_prolog", "rms_norm",
-    "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "scatter_pa_kv_cache", "scatter_pa_cache",
+    "mla_decode_attention", "sparse_mla_attention", "lightning_indexer", "shared_kv_attention", "kv_prolog",
+    "latent_kv_prolog", "rms_norm", "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "scatter_pa_kv_cache",
+    "scatter_pa_cache",
 )
 
 _lock = threading.Lock()

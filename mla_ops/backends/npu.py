@@ -15,6 +15,9 @@ Policy (plain functions, testable on any machine):
 * gather_pa_kv_cache: the PyPTO kernel, with the large-token tile when heads*dim > 4096.
 * lightning_indexer / sparse_mla_attention: torch_npu's fused `npu_lightning_indexer` and
   `npu_sparse_flash_attention` (TND queries over PA_BSND caches), within their documented limits.
+* shared_kv_attention (DeepSeek-V4): CANN's `sparse_flash_mla` (the cann_ops_transformer extension),
+  within its Atlas A2/A3 limits; the other V4 ops (prologs, compressor, the indexer over compressed
+  keys, which torch_npu's indexer cannot mask) run the reference kernels on the NPU.
 * mla_decode_attention: torch_npu's `npu_fused_infer_attention_score_v2` in its MLA form (one query
   token, page attention), the lengths as a device-built mask over the whole block table.
 * scatter_pa_kv_cache / scatter_pa_cache: torch_npu's `npu_scatter_nd_update_` with [block, offset]
@@ -200,9 +203,12 @@ def _paged_block_reasons(name: str, cache) -> list[str]:
 
 
 def lightning_indexer_reasons(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk,
-                              softmax_scale) -> list[str]:
+                              softmax_scale, compress_ratio=1) -> list[str]:
     """Why torch_npu.npu_lightning_indexer cannot serve this call (shapes and dtypes only)."""
     reasons = []
+    if compress_ratio != 1:
+        reasons.append(f"compress_ratio {compress_ratio} (torch_npu's lightning indexer scores one key per token; "
+                       f"its causal mask cannot express the compressed entries' visibility w < (p + 1) // m)")
     if q.dtype not in _NPU_FLOATS:
         reasons.append(f"dtype {q.dtype} (torch_npu's lightning indexer takes float16/bfloat16)")
     if q.shape[2] != _INDEXER_HEAD_DIM:
@@ -221,7 +227,8 @@ def _lightning_indexer_path(*args, **kwargs) -> str:
 
 
 @NPU.kernel("lightning_indexer", reasons=lightning_indexer_reasons, path=_lightning_indexer_path)
-def lightning_indexer(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale):
+def lightning_indexer(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale,
+                      compress_ratio=1):
     """torch_npu.npu_lightning_indexer: q [T, H<=64, 128] fp16/bf16, weights [T, H], k_cache
     [NB, bs, 1, 128] -> int32 [T, topk] request-local positions, -1 past the p + 1 a token at position
     p can see.
@@ -310,6 +317,96 @@ def sparse_mla_attention(q_latent, q_pe, key_cache, value_cache, block_tables, s
         query_rope=q_pe.contiguous(), key_rope=value_cache, sparse_block_size=1,
         layout_query="TND", layout_kv="PA_BSND", sparse_mode=0, attention_mode=2)[0]
     return torch.where(valid.any(dim=1)[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+# ------------------------------------------------------------------------------ shared-KV attention
+# CANN's `sparse_flash_mla` (the cann_ops_transformer torch extension of hicann/ops-transformer), within
+# the limits of attention/sparse_flash_mla/docs/torchapi_sparse_flash_mla.md (1a6406de): DeepSeek-V4's
+# attention with K = V, a band over `ori_kv` and compressed entries in `cmp_kv` (all visible ones: HCA;
+# those in `cmp_sparse_indices`: CSA), sinks in the softmax denominator. Where the products differ the
+# Atlas A2/A3 limits are taken (the Ascend 950 takes more): a 128-token window, CSA ratio 4 and HCA 128,
+# query heads a power of two, PA block sizes a multiple of 16 up to 1024, at most 8192 listed entries.
+# vllm-ascend calls its own `_C_ascend.npu_sparse_attn_sharedkv` for V4 (vllm_ascend/attention/dsa_v1.py
+# at 182b75ea); CANN's op is the public API with the same arguments.
+_SFM_HEAD_DIM, _SFM_WINDOW, _SFM_CSA_RATIO, _SFM_HCA_RATIO, _SFM_MAX_TOPK = 512, 128, 4, 128, 8192
+
+
+def shared_kv_attention_reasons(q, kv_cache, block_tables, seq_lens, query_start_loc, sinks, softmax_scale,
+                                sliding_window, compressed_cache=None, compressed_block_tables=None,
+                                compress_ratio=1, topk_indices=None) -> list[str]:
+    """Why CANN's sparse_flash_mla cannot serve this call (shapes, dtypes and arguments only)."""
+    reasons = [] if has_module("cann_ops_transformer") else [
+        "cann_ops_transformer (CANN ops-transformer's torch extension, which has sparse_flash_mla) is not installed"]
+    if q.dtype not in _NPU_FLOATS:
+        reasons.append(f"dtype {q.dtype} (sparse_flash_mla takes float16/bfloat16)")
+    if q.shape[2] != _SFM_HEAD_DIM:
+        reasons.append(f"head_dim {q.shape[2]} (sparse_flash_mla takes {_SFM_HEAD_DIM})")
+    heads = q.shape[1]
+    if not (1 <= heads <= 128 and heads & (heads - 1) == 0):
+        reasons.append(f"{heads} heads (sparse_flash_mla takes a power of two up to 128 on Atlas A3)")
+    if sinks is None:
+        reasons.append("no sinks (sparse_flash_mla requires them in its current version; whether a -inf sink "
+                       "means none is not documented)")
+    if sliding_window != _SFM_WINDOW:
+        reasons.append(f"sliding_window {sliding_window} (sparse_flash_mla takes a {_SFM_WINDOW}-token window, "
+                       f"ori_win_left=127, on Atlas A2/A3)")
+    if compressed_cache is not None:
+        expected = _SFM_CSA_RATIO if topk_indices is not None else _SFM_HCA_RATIO
+        if compress_ratio != expected:
+            kind = "CSA (listed entries)" if topk_indices is not None else "HCA (all visible entries)"
+            reasons.append(f"compress_ratio {compress_ratio} for {kind} (sparse_flash_mla takes {expected} on "
+                           f"Atlas A2/A3)")
+        if topk_indices is not None and not 0 < topk_indices.shape[1] <= _SFM_MAX_TOPK:
+            reasons.append(f"{topk_indices.shape[1]} listed entries per token (sparse_flash_mla takes 1.."
+                           f"{_SFM_MAX_TOPK})")
+        reasons += _paged_block_reasons("compressed_cache", compressed_cache)
+    return reasons + _paged_block_reasons("kv_cache", kv_cache)
+
+
+@NPU.kernel("shared_kv_attention", reasons=shared_kv_attention_reasons,
+            path=lambda *a, **k: "cann_ops_transformer.sparse_flash_mla (TND queries, PA_BBND pools)")
+def shared_kv_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, sinks, softmax_scale, sliding_window,
+                        compressed_cache=None, compressed_block_tables=None, compress_ratio=1, topk_indices=None):
+    """CANN's sparse_flash_mla: q [T, H, 512] (TND), ori_kv = kv_cache and cmp_kv = compressed_cache
+    (PA_BBND [NB, bs, 1, 512]) -> [T, H, 512] in q's dtype.
+
+    * Window: ori_mask_mode=4 (band) with ori_win_left = sliding_window - 1 and ori_win_right = 0, over
+      seqused_ori_kv = seq_lens tokens: the positions p - W + 1 .. p of the op.
+    * Compressed entries: cmp_mask_mode=3 over the uncompressed length seqused_cmp_kv * m +
+      cmp_residual_kv = seq_lens, i.e. entries w < (p + 1) // m, the op's rule; CSA passes topk_indices as
+      cmp_sparse_indices [T, 1, K] int32 (logical entry indices, -1 = none, as the op's).
+    * Block tables: the op lets columns before the window be -1 (freed); the documentation wants block
+      ids >= 0, and the band never reads those columns, so -1 becomes block 0.
+    * Host synchronisation: the metadata call needs max_seqlen_q, the longest request's query count, as a
+      number: one read of query_start_loc (not capturable in a device graph).
+    * Numerics: the kernel's (fp32 softmax per its documentation; accumulation order its own)."""
+    import cann_ops_transformer
+
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return q.new_zeros(q.shape)
+    starts = query_start_loc.to(torch.int32)
+    lens = seq_lens.to(torch.int32)
+    compressed = compressed_cache is not None
+    cmp_args, cmp_split = {}, {}
+    if compressed:
+        cmp_args = dict(cmp_kv=compressed_cache, cmp_block_table=compressed_block_tables.to(torch.int32).clamp_min(0),
+                        seqused_cmp_kv=torch.div(lens, compress_ratio, rounding_mode="floor"),
+                        cmp_residual_kv=torch.remainder(lens, compress_ratio))
+        cmp_split = dict(seqused_cmp_kv=cmp_args["seqused_cmp_kv"], cmp_residual_kv=cmp_args["cmp_residual_kv"])
+        if topk_indices is not None:
+            cmp_args["cmp_sparse_indices"] = topk_indices.to(torch.int32).unsqueeze(1).contiguous()
+    modes = dict(cmp_ratio=compress_ratio if compressed else 1, ori_mask_mode=4, cmp_mask_mode=3 if compressed else 0,
+                 ori_win_left=sliding_window - 1, ori_win_right=0, layout_q="TND", layout_kv="PA_BBND")
+    max_query = int((starts[1:] - starts[:-1]).max())
+    metadata = cann_ops_transformer.sparse_flash_mla_metadata(
+        q.shape[1], 1, q.shape[2], cu_seqlens_q=starts, seqused_ori_kv=lens, max_seqlen_q=max_query,
+        cmp_topk=topk_indices.shape[1] if compressed and topk_indices is not None else 0,
+        has_ori_kv=True, has_cmp_kv=compressed, **cmp_split, **modes)
+    return cann_ops_transformer.sparse_flash_mla(
+        q.contiguous(), ori_kv=kv_cache, ori_block_table=block_tables.to(torch.int32).clamp_min(0),
+        cu_seqlens_q=starts, seqused_ori_kv=lens, sinks=sinks.float(), metadata=metadata,
+        softmax_scale=float(softmax_scale), **cmp_args, **modes)[0]
 
 
 # ------------------------------------------------------------------------------- paged decode attention

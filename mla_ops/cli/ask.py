@@ -136,9 +136,14 @@ class _TimingStreamer:
             self.text.end()
 
 
-def _routed_ops(options: dict) -> list[str]:
+def _routed_ops(options: dict, shared_kv: bool = False) -> list[str]:
     """The mla ops the patch options run the model through: the dense cache's KV path is one
-    kv_prolog; the paged cache's is latent_kv_prolog into the cache and absorbed decode out of it."""
+    kv_prolog; the paged cache's is latent_kv_prolog into the cache and absorbed decode out of it.
+    DeepSeek-V4 (`shared_kv`) runs its prologs, compressors, indexer and inverse RoPE on the ops, and with
+    the paged cache its attention too."""
+    if shared_kv:
+        ops = ["shared_kv_q_prolog", "shared_kv_prolog", "kv_compressor", "lightning_indexer", "rope"]
+        return ops + (["scatter_pa_cache", "shared_kv_attention"] if options["cache"] == "paged" else [])
     ops = []
     if options["kv_prolog"]:
         ops += ["kv_prolog"] if options["cache"] == "dense" else ["latent_kv_prolog", "scatter_pa_kv_cache",
@@ -175,6 +180,7 @@ def run(args) -> dict:
         _check_remote_code_flags(args)
     from ..integrations.transformers import remote_code
     from ..integrations.transformers.patch import patch
+    from ..integrations.transformers.shared_kv import is_shared_kv_attention
 
     memory = PeakMemory(device)
     memory.reset()
@@ -195,7 +201,8 @@ def run(args) -> dict:
             handle = patch(model, **options)
         except (ValueError, NotImplementedError) as exc:  # a model these flags cannot patch: patch says why
             raise CliError(f"the mla flags cannot patch this model: {exc}") from None
-        say(f"routed through torch.ops.mla: {', '.join(_routed_ops(options))}"
+        shared_kv = any(is_shared_kv_attention(m) for m in model.modules())
+        say(f"routed through torch.ops.mla: {', '.join(_routed_ops(options, shared_kv))}"
             + (f" (cache={options['cache']})" if args.use_kv_fusion else ""))
         if device.type == "npu" and options["cache"] == "dense" and args.use_kv_fusion:
             # (the paged mode calls latent_kv_prolog, which has no NPU kernel to compile)

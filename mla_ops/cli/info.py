@@ -52,10 +52,10 @@ def _print_mla_families() -> None:
 
     if not has_module("transformers"):
         return
-    from ..integrations.transformers import families
+    from ..integrations.transformers import families, shared_kv
 
     print("\ntransformers MLA families (mla_ops.patch(model) patches the supported ones)")
-    for model_type in families.installed_mla_model_types():
+    for model_type in families.installed_mla_model_types() + shared_kv.installed_shared_kv_model_types():
         try:
             described = families.families_of(model_type)
         except Exception as exc:  # a modeling module that does not import here (a missing optional package)

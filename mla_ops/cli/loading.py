@@ -107,11 +107,12 @@ def lite_dims_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sd
 
 def is_supported_model_type(model_type) -> bool:
     """Whether `ask --model-path` runs a checkpoint of `model_type` (imports that family's module only)."""
-    from ..integrations.transformers import families
+    from ..integrations.transformers import families, shared_kv
 
     if model_type in DEEPSEEK_V2_TYPES:
         return True
-    if not isinstance(model_type, str) or model_type not in families.installed_mla_model_types():
+    installed = families.installed_mla_model_types() + shared_kv.installed_shared_kv_model_types()
+    if not isinstance(model_type, str) or model_type not in installed:
         return False
     try:
         return all(f.refused is None for f in families.families_of(model_type))
@@ -122,9 +123,10 @@ def is_supported_model_type(model_type) -> bool:
 def supported_model_types() -> tuple[str, ...]:
     """model_type values `ask --model-path` runs: DeepSeek-V2 (native or hub remote code) and every MLA
     family of the installed transformers that the patch supports (read off the classes)."""
-    from ..integrations.transformers import families
+    from ..integrations.transformers import families, shared_kv
 
-    found = [t for t in families.installed_mla_model_types() if is_supported_model_type(t)]
+    installed = families.installed_mla_model_types() + shared_kv.installed_shared_kv_model_types()
+    found = [t for t in installed if is_supported_model_type(t)]
     return tuple(dict.fromkeys(DEEPSEEK_V2_TYPES + tuple(found)))
 
 
@@ -194,6 +196,16 @@ def _dtype_keyword() -> str:
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
+def _supports_sdpa(model_type) -> bool:
+    """Whether transformers' causal LM of `model_type` runs SDPA attention (DeepSeek-V4 runs eager only)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+    model_class = getattr(transformers, name, None) if name else None
+    return bool(getattr(model_class, "_supports_sdpa", True))
+
+
 def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, *, trust_remote_code: bool,
                      allow_pickle: bool, attn: str = "sdpa", progress: Callable[[str], None] = print):
     """Load a local checkpoint offline: native DeepseekV2ForCausalLM unless --trust-remote-code."""
@@ -218,6 +230,10 @@ def checkpoint_model(path: pathlib.Path, dtype_name: str, device: torch.device, 
     # DeepSeek-V2's hub code has eager and FlashAttention-2 attention only, and asking transformers for
     # SDPA on a model without it is an error: for remote code, "sdpa" is left to transformers, which
     # picks SDPA where the code has it and its eager attention otherwise.
+    if not remote_code and attn == "sdpa" and not _supports_sdpa(config.get("model_type")):
+        notes.append(f"--attn sdpa: transformers has no SDPA attention for {config.get('model_type')} models "
+                     f"(DeepSeek-V4's attention sinks are outside what SDPA computes); running their eager attention")
+        attn = "eager"
     if not (remote_code and attn == "sdpa"):
         kwargs["attn_implementation"] = attn
     try:

@@ -13,11 +13,14 @@ import pkgutil as _pkgutil
 
 from .decode_attention import mla_decode_attention
 from .gather_pa_kv_cache import gather_pa_kv_cache, gather_pa_kv_cache_into
+from .kv_compressor import kv_compressor
 from .kv_prolog import kv_prolog, latent_kv_prolog
 from .q_prolog import q_prolog
 from .rms_norm import rms_norm
 from .rope import rope
 from .scatter_pa_kv_cache import scatter_pa_cache, scatter_pa_kv_cache
+from .shared_kv_attention import shared_kv_attention
+from .shared_kv_prolog import shared_kv_prolog, shared_kv_q_prolog
 from .sparse_attention import lightning_indexer, sparse_mla_attention, to_global_slots
 
 for _module in _pkgutil.iter_modules(__path__):  # the op modules without a public wrapper here
@@ -25,4 +28,5 @@ for _module in _pkgutil.iter_modules(__path__):  # the op modules without a publ
 
 __all__ = ["rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog", "scatter_pa_kv_cache", "gather_pa_kv_cache",
            "gather_pa_kv_cache_into", "mla_decode_attention", "scatter_pa_cache", "lightning_indexer",
-           "sparse_mla_attention", "to_global_slots"]
+           "sparse_mla_attention", "to_global_slots", "shared_kv_attention", "shared_kv_q_prolog",
+           "shared_kv_prolog", "kv_compressor"]

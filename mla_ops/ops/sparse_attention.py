@@ -77,14 +77,21 @@ def _check_requests(op: str, block_tables: Tensor, seq_lens: Tensor, query_start
                "must have one entry per request plus one (cumulative counts starting at 0)")
 
 
+def check_compress_ratio(op: str, compress_ratio: int) -> None:
+    """compress_ratio: tokens per cached entry, >= 1 (1: one entry per token)."""
+    torch._check(compress_ratio >= 1, lambda: f"mla.{op}: compress_ratio must be >= 1 (tokens pooled into one cached "
+                 f"entry; 1 when the cache holds one entry per token), got {compress_ratio}")
+
+
 @memo_by_signature
 def check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk: int,
-                                 softmax_scale: float) -> None:
+                                 softmax_scale: float, compress_ratio: int = 1) -> None:
     """q [T, H, D]; weights [T, H] (fp32 or q's dtype); k_cache [NB, bs, 1, D] in q's dtype;
     the request tensors of `_check_requests`; topk >= 1; softmax_scale a positive normal float32
-    number (`check_softmax_scale`)."""
+    number (`check_softmax_scale`); compress_ratio >= 1."""
     op = INDEXER
     check_softmax_scale(op, softmax_scale)
+    check_compress_ratio(op, compress_ratio)
     torch._check(topk >= 1, lambda: f"mla.{op}: topk must be >= 1 (the number of positions kept per query "
                  f"token), got {topk}")
     check_float(op, "q", q)
@@ -137,9 +144,10 @@ def check_query_starts(op: str, starts: list[int], num_tokens: int) -> None:
 
 
 def check_request_values(op: str, num_tokens: int, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                         num_blocks: int, block_size: int) -> list[tuple[int, int, int]]:
-    """query_start_loc runs from 0 to T without decreasing; 0 <= q_b <= seq_lens[b] <= table capacity;
-    every block id a request uses is in range. Returns (first token row, q_b, seq_len) per request.
+                         num_blocks: int, block_size: int, compress_ratio: int = 1) -> list[tuple[int, int, int]]:
+    """query_start_loc runs from 0 to T without decreasing; 0 <= q_b <= seq_lens[b]; the request's
+    cached entries (seq_lens[b] // compress_ratio: one per token for 1) fit the block table, and
+    every block id holding one is in range. Returns (first token row, q_b, seq_len) per request.
 
     Python integers throughout: no sum or product of int64 values can wrap around."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -151,11 +159,12 @@ def check_request_values(op: str, num_tokens: int, block_tables: Tensor, seq_len
         if n < q_len:
             raise ValueError(f"mla.{op}: seq_lens[{b}] = {n} is less than the request's {q_len} query tokens; "
                              f"seq_lens counts the cached tokens including the new ones (write them first)")
-        if n > capacity:
-            raise ValueError(f"mla.{op}: seq_lens[{b}] = {n} exceeds the block table's capacity "
-                             f"({block_tables.shape[1]} blocks x {block_size} tokens)")
+        if n // compress_ratio > capacity:
+            held = "tokens" if compress_ratio == 1 else f"entries (seq_lens // compress_ratio {compress_ratio})"
+            raise ValueError(f"mla.{op}: seq_lens[{b}] = {n} needs {n // compress_ratio} cached {held}, more than "
+                             f"the block table's capacity ({block_tables.shape[1]} blocks x {block_size})")
         requests.append((starts[b], q_len, n))
-    check_used_block_ids(op, block_tables, [-(-n // block_size) for n in lens], num_blocks)
+    check_used_block_ids(op, block_tables, [-(-(n // compress_ratio) // block_size) for n in lens], num_blocks)
     return requests
 
 
@@ -176,8 +185,10 @@ def check_index_values(topk_indices: Tensor, requests: list[tuple[int, int, int]
 
 
 # ------------------------------------------------------------------------------------------ fakes
-def _lightning_indexer_fake(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale):
-    check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale)
+def _lightning_indexer_fake(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale,
+                            compress_ratio=1):
+    check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale,
+                                 compress_ratio)
     return q.new_empty((q.shape[0], topk), dtype=torch.int32)
 
 
@@ -224,19 +235,21 @@ def _slots(block_tables: Tensor, request: Tensor, positions: Tensor, num_blocks:
 
 
 def lightning_indexer_reference(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                                query_start_loc: Tensor, topk: int, softmax_scale: float) -> Tensor:
+                                query_start_loc: Tensor, topk: int, softmax_scale: float,
+                                compress_ratio: int = 1) -> Tensor:
     """-> int32 [T, topk]. The CPU value checks, then `lightning_indexer_sync_free`."""
     if k_cache.device.type == "cpu":
         check_request_values(INDEXER, q.shape[0], block_tables, seq_lens, query_start_loc, k_cache.shape[0],
-                             k_cache.shape[1])
+                             k_cache.shape[1], compress_ratio)
     return lightning_indexer_sync_free(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk,
-                                       softmax_scale)
+                                       softmax_scale, compress_ratio)
 
 
 def lightning_indexer_sync_free(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                                query_start_loc: Tensor, topk: int, softmax_scale: float) -> Tensor:
+                                query_start_loc: Tensor, topk: int, softmax_scale: float,
+                                compress_ratio: int = 1) -> Tensor:
     """The reference indexer's device path, no host sync and no value check: every token scores the
-    whole block-table width (a static shape), positions past its own or outside the table and pool
+    whole block-table width (a static shape), entries it may not see or outside the table and pool
     are masked (never read out of bounds, whatever the values), query tokens in chunks."""
     num_tokens, num_blocks, block_size = q.shape[0], k_cache.shape[0], k_cache.shape[1]
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
@@ -254,7 +267,9 @@ def lightning_indexer_sync_free(q: Tensor, weights: Tensor, k_cache: Tensor, blo
         keys = k_cache[block, offset, 0].to(compute)  # [t, W, D]
         scores = torch.relu(torch.bmm(q[rows].to(compute), keys.transpose(1, 2)) * softmax_scale)  # [t, H, W]
         index_scores = torch.bmm(weights[rows].to(compute)[:, None, :], scores)[:, 0]  # [t, W]
-        seen = valid & (columns[None, :] <= position[rows][:, None])
+        # V4's rule for pooled entries (entry w covers tokens up to (w+1)m - 1); w <= p for m = 1
+        visible = torch.div(position[rows] + 1, compress_ratio, rounding_mode="floor")
+        seen = valid & (columns[None, :] < visible[:, None])
         index_scores.masked_fill_(~seen, float("-inf"))
         # stable: equal scores keep ascending positions, so unseen positions (-inf, after p) never
         # precede a seen one; what is picked is re-checked against `seen` for -1
@@ -317,7 +332,7 @@ def sparse_mla_attention_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Te
 
 LIGHTNING_INDEXER = define_op(
     "lightning_indexer(Tensor q, Tensor weights, Tensor k_cache, Tensor block_tables, Tensor seq_lens, "
-    "Tensor query_start_loc, int topk, float softmax_scale) -> Tensor",
+    "Tensor query_start_loc, int topk, float softmax_scale, int compress_ratio=1) -> Tensor",
     check=check_lightning_indexer_args, fake=_lightning_indexer_fake, reference=lightning_indexer_reference,
 )
 SPARSE_MLA_ATTENTION = define_op(
@@ -329,8 +344,10 @@ SPARSE_MLA_ATTENTION = define_op(
 
 # -------------------------------------------------------------------------------- public wrappers
 def lightning_indexer(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                      query_start_loc: Tensor, topk: int, softmax_scale: float, *, validate: bool = False) -> Tensor:
-    """The DeepSeek Sparse Attention indexer over a paged indexer-key cache.
+                      query_start_loc: Tensor, topk: int, softmax_scale: float, compress_ratio: int = 1, *,
+                      validate: bool = False) -> Tensor:
+    """The DeepSeek Sparse Attention indexer over a paged indexer-key cache (one key per token, or
+    per `compress_ratio` tokens: DeepSeek-V4's compressed indexer keys).
 
     Args:
         q: `[T, H, D]` rotated indexer queries of the T query tokens (fp32 / bf16 / fp16).
@@ -340,19 +357,23 @@ def lightning_indexer(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables:
             query tokens; query_start_loc: `[B+1]` cumulative query tokens per request.
         topk: positions kept per query token; softmax_scale: the scale inside the ReLU (`D**-0.5`), a
             positive normal float32 number.
+        compress_ratio: tokens per cached key (1: one key per token). With m > 1 the cache holds the
+            entries of a compressor (`mla.kv_compressor`): request b has `seq_lens[b] // m` of them, and a
+            token at position p sees the entries w < (p + 1) // m, those whose tokens are all at or
+            before p (DeepSeek-V4's compressed sparse attention).
         validate: check the index values on non-CPU devices (CPU always checks).
     Returns:
-        int32 `[T, topk]`: request-local positions, best first (equal scores: lower position first on
-        the reference and native CPU kernels; `torch.topk` has no such rule), -1 past the `p + 1`
-        positions a token at position p can see.
+        int32 `[T, topk]`: request-local positions (entry indices for m > 1), best first (equal scores:
+        lower position first on the reference and native CPU kernels; `torch.topk` has no such rule), -1
+        past the entries a token can see.
     """
     if validates_on_host(validate, k_cache):
         check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk,
-                                     softmax_scale)
+                                     softmax_scale, compress_ratio)
         check_request_values(INDEXER, q.shape[0], block_tables, seq_lens, query_start_loc, k_cache.shape[0],
-                             k_cache.shape[1])
+                             k_cache.shape[1], compress_ratio)
     return torch.ops.mla.lightning_indexer.default(q, weights, k_cache, block_tables, seq_lens, query_start_loc,
-                                                   topk, softmax_scale)
+                                                   topk, softmax_scale, compress_ratio)
 
 
 def sparse_mla_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,

@@ -29,7 +29,9 @@ from torch import Tensor
 from .. import _library
 from ..ops.decode_attention import decode_sync_free
 from ..ops.gather_pa_kv_cache import gather_sync_free
+from ..ops.kv_compressor import kv_compressor_sync_free
 from ..ops.scatter_pa_kv_cache import scatter_pa_cache_sync_free, scatter_sync_free
+from ..ops.shared_kv_attention import shared_kv_attention_sync_free
 from ..ops.sparse_attention import INDEXER as INDEXER_OP
 from ..ops.sparse_attention import SPARSE as SPARSE_OP
 from ..ops.sparse_attention import lightning_indexer_sync_free, sparse_mla_attention_sync_free
@@ -758,15 +760,19 @@ def _grid(*shape, dtype, seed, low=-2, high=2) -> Tensor:
 
 
 def _indexer_sample(name, dtype, seq_lens, q_lens, *, heads=4, dim=16, block_size=4, topk=5, weights_dtype=None,
-                    view=False, int64=False, zero_q=False, q_high=2, seed=0) -> Sample:
-    tables, lens, starts, num_blocks = _requests(seq_lens, q_lens, block_size, seed=seed)
+                    view=False, int64=False, zero_q=False, q_high=2, compress_ratio=1, seed=0) -> Sample:
+    """compress_ratio m > 1: the cache holds seq_lens[b] // m compressed entries per request (the
+    table addresses those), and the sample passes m as the op's last argument."""
+    tables, _, starts, num_blocks = _requests([n // compress_ratio for n in seq_lens], q_lens, block_size, seed=seed)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     tokens = int(starts[-1])
     k_cache = _grid(num_blocks, block_size, 1, 2 * dim if view else dim, dtype=dtype, seed=seed + 1)[..., :dim]
     q = _grid(tokens, heads, dim, dtype=dtype, seed=seed + 2, high=q_high) * (0 if zero_q else 1)
     weights = _grid(tokens, heads, dtype=weights_dtype or torch.float32, seed=seed + 3)
     if int64:
         tables, lens, starts = tables.long(), lens.long(), starts.long()
-    return Sample(name, (q, weights, k_cache, tables, lens, starts, topk, 2.0 ** -2))
+    ratio = () if compress_ratio == 1 else (compress_ratio,)
+    return Sample(name, (q, weights, k_cache, tables, lens, starts, topk, 2.0 ** -2, *ratio))
 
 
 def _indexer_samples(dtype):
@@ -784,6 +790,15 @@ def _indexer_samples(dtype):
         # DeepSeek-V3.2's indexer (64 heads x 128, top-2048) past the top-k: the choice matters
         _indexer_sample("v32-dims", dtype, [2100, 40], [1, 3], heads=64, dim=128, block_size=64, topk=2048,
                         seed=16),
+        # DeepSeek-V4's compressed entries (one per m tokens, entry w seen from position (w+1)m - 1 on): a
+        # prefill whose first m - 1 tokens see none, a decode step, a chunk; fewer entries than topk for some
+        _indexer_sample("compressed-entries-ratio-4", dtype, [30, 13, 22], [30, 1, 5], topk=3, compress_ratio=4,
+                        seed=24),
+        _indexer_sample("compressed-entries-ratio-3-tail-block-int64", dtype, [17, 11], [4, 11], block_size=3,
+                        topk=8, int64=True, compress_ratio=3, seed=28),
+        # DeepSeek-V4-Flash's CSA indexer: 64 heads x 128, m = 4, top-512 out of 600 entries
+        _indexer_sample("v4-dims-ratio-4", dtype, [2400, 40], [1, 3], heads=64, dim=128, block_size=64, topk=512,
+                        compress_ratio=4, seed=32),
     ]
 
 
@@ -830,9 +845,10 @@ def _request_errors(op: str, call):
         ErrorInput("fewer-cached-than-queries", call(seq_lens=torch.tensor([9, 1], dtype=i32)), "seq_lens",
                    r"seq_lens\[1\] = 1 is less than the request's 2 query tokens", ValueError),
         ErrorInput("past-capacity", call(seq_lens=torch.tensor([13, 2], dtype=i32)), "seq_lens",
-                   r"seq_lens\[0\] = 13 exceeds the block table's capacity \(3 blocks x 4 tokens\)", ValueError),
+                   r"seq_lens\[0\] = 13 needs 13 cached tokens, more than the block table's capacity \(3 blocks x 4\)",
+                   ValueError),
         ErrorInput("length-near-2**63", call(seq_lens=torch.tensor([2**63 - 1, 2])), "seq_lens",
-                   r"seq_lens\[0\] = 9223372036854775807 exceeds the block table's capacity", ValueError),
+                   r"seq_lens\[0\] = 9223372036854775807 needs .* more than the block table's capacity", ValueError),
         ErrorInput("block-id", call(block_tables=torch.tensor([[0, 1, 6], [3, -1, -1]], dtype=i32)), "block_tables",
                    r"block_tables\[0, 2\] = 6 is used by sequence 0 but is not a block id in \[0, 6\)", ValueError),
         ErrorInput("block-id-near--2**63", call(block_tables=torch.tensor([[0, 1, 2], [-(2**63), 0, 0]])),
@@ -873,6 +889,12 @@ def _indexer_errors():
                    rf"{op}: softmax_scale must be a positive normal float32 number"),
         *_scale_errors(op, call),
         *_request_errors(op, call),
+        ErrorInput("compress_ratio-zero", Sample("", (*call().args, 0)), "compress_ratio",
+                   rf"{op}: compress_ratio must be >= 1"),
+        # 26 tokens at m = 2 are 13 entries: one more than 3 blocks of 4 hold
+        ErrorInput("entries-past-capacity", Sample("", (*call(seq_lens=torch.tensor([26, 2])).args, 2)), "seq_lens",
+                   r"seq_lens\[0\] = 26 needs 13 cached entries \(seq_lens // compress_ratio 2\), more than the block "
+                   r"table's capacity \(3 blocks x 4\)", ValueError),
     ]
 
 
@@ -1001,3 +1023,488 @@ _register(OpCases("sparse_mla_attention", _sparse_samples, oracles.sparse_mla_at
 _register(OpCases("scatter_pa_cache", _scatter_one_pool_samples, oracles.scatter_pa_cache_oracle,
                   _scatter_one_pool_errors, bounds=EXACT, paths={"sync-free": scatter_pa_cache_sync_free},
                   selftest=("padding", "v2lite")))
+
+
+# ------------------------------------------------------------------------------------ DeepSeek-V4
+def _free_columns_before_windows(tables: Tensor, seq_lens, q_lens, block_size: int, window: int) -> Tensor:
+    """-1 in every block-table column wholly before the window of a request's first query token: the
+    blocks a serving engine frees once no window reads them."""
+    tables = tables.clone()
+    for b, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
+        if q_len:
+            tables[b, : max(0, n - q_len - window + 1) // block_size] = -1
+    return tables
+
+
+def _listed_entries(seq_lens, q_lens, ratio: int, topk: int, *, repeat: bool, seed: int) -> Tensor:
+    """[T, topk] int64: each token lists up to topk - 1 distinct entries it sees (w < (p + 1) // m) in
+    a shuffled order, -1 elsewhere; with `repeat`, the last token listing two or more lists its first
+    entry once more (attended twice)."""
+    g = _gen(seed)
+    rows = []
+    for n, q_len in zip(seq_lens, q_lens):
+        for i in range(q_len):
+            row = torch.full((topk,), -1, dtype=torch.int64)
+            keep = torch.randperm((n - q_len + i + 1) // ratio, generator=g)[: max(topk - 1, 0)]
+            row[torch.randperm(topk, generator=g)[: keep.shape[0]]] = keep
+            rows.append(row)
+    listed = torch.stack(rows) if rows else torch.zeros(0, topk, dtype=torch.int64)
+    if repeat:
+        t = max(t for t in range(listed.shape[0]) if int((listed[t] >= 0).sum()) >= 2)
+        slots = torch.nonzero(listed[t] >= 0)[:, 0]
+        listed[t, slots[1]] = listed[t, slots[0]]
+    return listed
+
+
+def _shared_kv_sample(name, dtype, seq_lens, q_lens, *, window, heads=4, dim=32, block_size=4, ratio=None,
+                      entry_block_size=3, topk=None, repeat=False, sinks="float32", freed=False, view=False,
+                      int64=False, seed=0) -> Sample:
+    """Requests of `seq_lens` tokens whose last `q_lens` are this call's query tokens, a window pool and,
+    with `ratio`, a pool of seq_lens // ratio compressed entries per request (every visible one attended,
+    or with `topk` the listed ones); sinks "float32", "activation" (q's dtype) or None; `freed`: -1 in
+    the columns before each request's window; `view`: both pools are views [..., :D] of wider ones."""
+    tables, lens, starts, num_blocks = _requests(seq_lens, q_lens, block_size, seed=seed)
+    if freed:
+        tables = _free_columns_before_windows(tables, seq_lens, q_lens, block_size, window)
+    tokens = int(starts[-1])
+    width = 2 * dim if view else dim
+    kv_cache = _randn(num_blocks, block_size, 1, width, dtype=dtype, seed=seed + 1)[..., :dim]
+    q = _randn(tokens, heads, dim, dtype=dtype, seed=seed + 2)
+    sink_dtype = {"float32": torch.float32, "activation": dtype, None: None}[sinks]
+    # O(1) sink logits against O(1) scores: the sink's share of the denominator is far from 0 and 1
+    sink_logits = None if sink_dtype is None else _randn(heads, dtype=sink_dtype, seed=seed + 3, scale=1.5)
+    args = [q, kv_cache, tables, lens, starts, sink_logits, dim ** -0.5, window]
+    if ratio is not None:
+        entries = [n // ratio for n in seq_lens]
+        entry_tables, _, _, entry_blocks = _requests(entries, q_lens, entry_block_size, seed=seed + 4)
+        entry_cache = _randn(entry_blocks, entry_block_size, 1, width, dtype=dtype, seed=seed + 5)[..., :dim]
+        listed = None if topk is None else _listed_entries(seq_lens, q_lens, ratio, topk, repeat=repeat,
+                                                           seed=seed + 6)
+        if int64:
+            entry_tables = entry_tables.long()
+        elif listed is not None:
+            listed = listed.int()
+        args += [entry_cache, entry_tables, ratio, listed]
+    if int64:
+        args[2:5] = [t.long() for t in args[2:5]]
+    return Sample(name, tuple(args))
+
+
+# DeepSeek-V4-Flash's attention dims, 16 of its 64 heads: head_dim 512, window 128, block size 64
+_V4 = dict(heads=16, dim=512, window=128, block_size=64, entry_block_size=64)
+
+
+def _shared_kv_samples(dtype):
+    mixed = ([7, 12, 10], [7, 1, 3])  # a prefill from 0, a decode step, a chunk continuing a prefill
+    return [
+        _shared_kv_sample("window-prefill-decode-chunk", dtype, *mixed, window=5),
+        _shared_kv_sample("window-no-sinks", dtype, *mixed, window=5, sinks=None, seed=2),
+        _shared_kv_sample("window-1-only-itself", dtype, *mixed, window=1, seed=4),
+        _shared_kv_sample("window-wider-than-every-context", dtype, *mixed, window=64, seed=6),
+        # every visible entry (heavily compressed attention)
+        _shared_kv_sample("window-and-all-visible-entries", dtype, *mixed, window=5, ratio=2, seed=8),
+        _shared_kv_sample("all-visible-entries-no-sinks-ratio-4", dtype, [13, 9, 20], [13, 1, 6], window=3,
+                          ratio=4, sinks=None, seed=10),
+        _shared_kv_sample("sinks-in-activation-dtype", dtype, *mixed, window=5, ratio=2, sinks="activation",
+                          seed=12),
+        # the indexer's picks (compressed sparse attention), -1 mixed in, int64 tables and indices
+        _shared_kv_sample("window-and-listed-entries-int64", dtype, *mixed, window=5, ratio=2, topk=4, int64=True,
+                          seed=14),
+        _shared_kv_sample("listed-entry-repeated-no-sinks", dtype, [19, 9], [5, 1], window=4, ratio=2, topk=5,
+                          repeat=True, sinks=None, seed=16),
+        _shared_kv_sample("listed-width-0", dtype, [9, 6], [1, 2], window=3, ratio=2, topk=0, seed=18),
+        _shared_kv_sample("prefill-from-0", dtype, [37], [37], window=8, ratio=4, seed=20),
+        _shared_kv_sample("chunked-prefill-freed-blocks", dtype, [30], [11], window=8, ratio=4, topk=3, freed=True,
+                          seed=22),
+        _shared_kv_sample("decode-batch-freed-blocks", dtype, [21, 9, 34], [1, 1, 1], window=6, ratio=4, freed=True,
+                          seed=24),
+        # windows and entries straddling blocks of 3 and 5
+        _shared_kv_sample("block-size-not-dividing", dtype, [23, 17], [9, 2], window=7, block_size=3, ratio=3,
+                          entry_block_size=5, topk=4, freed=True, seed=26),
+        _shared_kv_sample("split-pool-views", dtype, *mixed, window=5, ratio=2, view=True, seed=28),
+        _shared_kv_sample("idle-request", dtype, [5, 3, 8], [5, 0, 2], window=4, ratio=2, seed=30),
+        _shared_kv_sample("no-tokens", dtype, [3, 0], [0, 0], window=4, ratio=2, seed=32),
+        # DeepSeek-V4-Flash dims: CSA (m = 4, 64 of the entries listed) decode and a chunk, HCA (m = 128)
+        # prefill of 300 tokens (two chunks of the reference's query-token loop)
+        _shared_kv_sample("v4-flash-csa-decode-chunk", dtype, [700, 300], [1, 2], ratio=4, topk=64, freed=True,
+                          seed=34, **_V4),
+        _shared_kv_sample("v4-flash-hca-prefill", dtype, [520], [300], ratio=128, freed=True, seed=36, **_V4),
+    ]
+
+
+def _shared_kv_unchecked_samples(dtype):
+    """Values the CPU checks refuse; the device path attends to what they address and nothing else."""
+    d = dict(window=5, ratio=2, seed=40)
+    zero = _shared_kv_sample("zero-column-table", dtype, [1], [1], window=4, ratio=1, seed=38)
+    requests = _zero_column_requests()
+    zero = Sample("zero-column-table", (zero.args[0], zero.args[1], *requests.values(), *zero.args[5:8],
+                                        zero.args[8], torch.zeros(1, 0, dtype=torch.int32), 1, None))
+    read_freed = _shared_kv_sample("", dtype, [12, 6], [2, 1], **d)
+    tables = read_freed.args[2].clone()
+    tables[0, 2] = -1  # holds positions 8..11, in the window of both query tokens of request 0
+    listed = _shared_kv_sample("", dtype, [12, 6], [2, 1], topk=4, **d)
+    indices = listed.args[11].clone()
+    indices[0] = torch.tensor([5, 6, 0, 9], dtype=indices.dtype)  # position 10 sees entries 0..4
+    outside = list(listed.args[:10])
+    outside[9] = outside[9].clone()
+    outside[9][1, 0] = 99  # request 1's entries 0..2: not a block of the pool
+    return [
+        zero,
+        Sample("window-block-outside-pool", (*read_freed.args[:2], tables, *read_freed.args[3:])),
+        Sample("listed-entries-not-visible", (*listed.args[:11], indices)),
+        Sample("entry-block-outside-pool", (*outside, *listed.args[10:])),
+    ]
+
+
+def _shared_kv_errors():
+    op = "shared_kv_attention"
+    requests = _request_base()  # request 0: 9 tokens, 1 query token (position 8); request 1: 2 and 2
+    base = dict(q=torch.randn(3, 2, 8), kv_cache=torch.randn(6, 4, 1, 8), **requests, sinks=torch.randn(2),
+                softmax_scale=0.5, sliding_window=4, compressed_cache=torch.randn(4, 2, 1, 8),
+                compressed_block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32), compress_ratio=2,
+                topk_indices=torch.tensor([[3, 0, -1], [-1, -1, -1], [0, -1, -1]], dtype=torch.int32))
+
+    def call(**changes):
+        return Sample("", tuple(dict(base, **changes).values()))
+
+    no_entries = dict(compressed_cache=None, compressed_block_tables=None, topk_indices=None)
+    all_visible = dict(topk_indices=None)
+    i32 = torch.int32
+    return [
+        ErrorInput("q-rank", call(q=torch.randn(3, 16)), "q", rf"{op}: q must be 3-D"),
+        ErrorInput("q-dtype", call(q=torch.ones(3, 2, 8, dtype=torch.int32)), "q", rf"{op}: q must be float32"),
+        ErrorInput("kv_cache-heads", call(kv_cache=torch.randn(6, 4, 2, 8)), "kv_cache",
+                   rf"{op}: kv_cache heads \(dim 2\) must be 1"),
+        ErrorInput("kv_cache-dim", call(kv_cache=torch.randn(6, 4, 1, 7)), "kv_cache",
+                   rf"{op}: kv_cache dim \(dim 3\) must equal head_dim"),
+        ErrorInput("kv_cache-dtype", call(kv_cache=torch.randn(6, 4, 1, 8).half()), "kv_cache",
+                   rf"{op}: kv_cache has dtype torch.float16 but q"),
+        ErrorInput("kv_cache-empty-pool", call(kv_cache=torch.randn(0, 4, 1, 8)), "kv_cache",
+                   rf"{op}: kv_cache needs at least one block"),
+        ErrorInput("sinks-length", call(sinks=torch.randn(3)), "sinks", rf"{op}: sinks length must equal the heads"),
+        ErrorInput("sinks-rank", call(sinks=torch.randn(2, 1)), "sinks", rf"{op}: sinks must be 1-D"),
+        ErrorInput("sinks-other-half-dtype", call(sinks=torch.randn(2).half()), "sinks",
+                   rf"{op}: sinks must be float32 or q's dtype torch.float32, got torch.float16"),
+        ErrorInput("sinks-device", call(sinks=torch.randn(2, device="meta")), "sinks",
+                   rf"{op}: all tensors must be on one device"),
+        ErrorInput("sliding_window-zero", call(sliding_window=0), "sliding_window",
+                   rf"{op}: sliding_window must be >= 1"),
+        ErrorInput("compress_ratio-zero", call(compress_ratio=0), "compress_ratio",
+                   rf"{op}: compress_ratio must be >= 1"),
+        ErrorInput("compressed-tables-missing", call(compressed_block_tables=None, topk_indices=None),
+                   "compressed_block_tables", rf"{op}: compressed_cache was given without compressed_block_tables"),
+        ErrorInput("compressed-tables-without-cache", call(compressed_cache=None, topk_indices=None),
+                   "compressed_block_tables", rf"{op}: compressed_block_tables was given without compressed_cache"),
+        ErrorInput("topk-without-entries", call(compressed_cache=None, compressed_block_tables=None), "topk_indices",
+                   rf"{op}: topk_indices lists compressed entries, but compressed_cache is None"),
+        ErrorInput("compressed_cache-dim", call(compressed_cache=torch.randn(4, 2, 1, 7)), "compressed_cache",
+                   rf"{op}: compressed_cache dim \(dim 3\) must equal head_dim"),
+        ErrorInput("compressed_cache-heads", call(compressed_cache=torch.randn(4, 2, 2, 8)), "compressed_cache",
+                   rf"{op}: compressed_cache heads \(dim 2\) must be 1"),
+        ErrorInput("compressed_cache-dtype", call(compressed_cache=torch.randn(4, 2, 1, 8).bfloat16()),
+                   "compressed_cache", rf"{op}: compressed_cache has dtype torch.bfloat16 but q"),
+        ErrorInput("compressed-tables-rows", call(compressed_block_tables=torch.zeros(1, 2, dtype=i32)),
+                   "compressed_block_tables", rf"{op}: compressed_block_tables rows must equal block_tables'"),
+        ErrorInput("compressed-tables-dtype", call(compressed_block_tables=torch.zeros(2, 2)),
+                   "compressed_block_tables", rf"{op}: compressed_block_tables must be an int32"),
+        ErrorInput("topk-rows", call(topk_indices=torch.zeros(2, 3, dtype=i32)), "topk_indices",
+                   rf"{op}: topk_indices tokens \(dim 0\) must equal q's"),
+        ErrorInput("topk-dtype", call(topk_indices=torch.zeros(3, 3)), "topk_indices",
+                   rf"{op}: topk_indices must be an int32"),
+        ErrorInput("scale-nan", call(softmax_scale=float("nan")), "softmax_scale",
+                   rf"{op}: softmax_scale must be a positive normal float32 number"),
+        *_scale_errors(op, call),
+        # request 0's window (positions 5..8) reads columns 1 and 2 only; request 1's column 0
+        *_request_errors(op, call),
+        ErrorInput("window-block-freed-but-read", call(block_tables=torch.tensor([[0, -1, 2], [3, -1, -1]], dtype=i32)),
+                   "block_tables", r"block_tables\[0, 1\] = -1 is used by sequence 0 but is not a block id in \[0, 6\)",
+                   ValueError),
+        ErrorInput("window-only-block-id", call(**no_entries, block_tables=torch.tensor([[0, 1, 2], [6, -1, -1]])),
+                   "block_tables", r"block_tables\[1, 0\] = 6 is used by sequence 1", ValueError),
+        ErrorInput("entries-past-capacity", call(compressed_block_tables=torch.tensor([[0], [2]], dtype=i32)),
+                   "compressed_block_tables",
+                   r"seq_lens\[0\] = 9 needs 4 compressed entries \(seq_lens // compress_ratio 2\), more than "
+                   r"compressed_block_tables' capacity \(1 blocks x 2\)", ValueError),
+        ErrorInput("entry-not-visible", call(topk_indices=torch.tensor([[4, 0, -1], [-1, -1, -1], [0, -1, -1]])),
+                   "topk_indices", r"topk_indices\[0, 0\] = 4 is neither -1 \(none\) nor a compressed entry token 0 "
+                   r"sees \(request 0, position 8: the entries w < \(position \+ 1\) // compress_ratio = 4\)",
+                   ValueError),
+        ErrorInput("entry-not-yet-visible-in-prefill",
+                   call(topk_indices=torch.tensor([[3, 0, -1], [0, -1, -1], [0, -1, -1]], dtype=i32)), "topk_indices",
+                   r"topk_indices\[1, 0\] = 0 is neither -1 \(none\) nor a compressed entry token 1 sees \(request 1, "
+                   r"position 0: .* = 0\)", ValueError),
+        ErrorInput("entry-below--1", call(topk_indices=torch.tensor([[3, -2, -1], [-1, -1, -1], [0, -1, -1]])),
+                   "topk_indices", r"topk_indices\[0, 1\] = -2 is neither -1", ValueError),
+        ErrorInput("entry-near-2**63", call(topk_indices=torch.tensor([[3, 0, -1], [-1, -1, -1], [2**63 - 1, -1, -1]])),
+                   "topk_indices", r"topk_indices\[2, 0\] = 9223372036854775807 is neither -1", ValueError),
+        ErrorInput("listed-entry-block-id", call(compressed_block_tables=torch.tensor([[0, 9], [2, -1]], dtype=i32)),
+                   "compressed_block_tables", r"compressed_block_tables\[0, 1\] = 9 is used by sequence 0 "
+                   r"\(topk_indices\[0, 0\] = 3\) but is not a block id in \[0, 4\)", ValueError),
+        ErrorInput("visible-entry-block-id",
+                   call(**all_visible, compressed_block_tables=torch.tensor([[0, -1], [2, -1]], dtype=i32)),
+                   "compressed_block_tables",
+                   r"compressed_block_tables\[0, 1\] = -1 is used by sequence 0 but is not a block id in \[0, 4\)",
+                   ValueError),
+    ]
+
+
+_register(OpCases("shared_kv_attention", _shared_kv_samples, oracles.shared_kv_attention_oracle, _shared_kv_errors,
+                  # fp32 logits, softmax and P @ rows (the rows copied exactly), the output rounded once
+                  bounds=_eps_bounds(64, 2, 2),
+                  selftest=("v4-flash-csa-decode-chunk", "v4-flash-hca-prefill"),
+                  paths={"sync-free": shared_kv_attention_sync_free},
+                  unchecked_samples=_shared_kv_unchecked_samples))
+
+
+def _v4_rope_tables(dtype, batch: int, seq: int, rope_dim: int, *, rounded: bool, shared: bool = False):
+    """cos / sin per token [B, S, R/2] (or [S, R/2]): fp32 as computed, or rounded to the model dtype as
+    stock's rotary module hands them over."""
+    cos, sin = _tables(dtype, batch, seq, rope_dim, offset=11, batched=not shared)
+    return (cos.to(dtype), sin.to(dtype)) if rounded else (cos, sin)
+
+
+def _norm_weight(size: int, dtype, seed: int) -> Tensor:
+    return (1 + 0.1 * torch.randn(size, generator=_gen(seed))).to(dtype)
+
+
+def _shared_kv_q_prolog_sample(name, dtype, *, batch=2, seq=5, hidden=64, lora=32, heads=4, head_dim=32, rope_dim=8,
+                               norm_dtype=torch.float32, rounded_tables=False, shared_tables=False, seed=0):
+    g = _gen(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    cos, sin = _v4_rope_tables(dtype, batch, seq, rope_dim, rounded=rounded_tables, shared=shared_tables)
+    return Sample(name, (rand(batch, seq, hidden), rand(lora, hidden, scale=hidden ** -0.5),
+                         _norm_weight(lora, norm_dtype, seed + 1), rand(heads * head_dim, lora, scale=lora ** -0.5),
+                         cos, sin), {"num_heads": heads})
+
+
+def _shared_kv_q_prolog_samples(dtype):
+    return [
+        _shared_kv_q_prolog_sample("small", dtype),
+        _shared_kv_q_prolog_sample("tables-SR", dtype, shared_tables=True, seed=2),
+        # a bf16 / fp16 model loaded without keeping the norm weight in fp32; tables rounded to the model dtype
+        _shared_kv_q_prolog_sample("norm-weight-and-tables-in-activation-dtype", dtype, norm_dtype=dtype,
+                                   rounded_tables=True, seed=4),
+        _shared_kv_q_prolog_sample("decode", dtype, seq=1, seed=6),
+        # DeepSeek-V4-Flash's rotary dim 64 (its head_dim 512 and q_lora_rank 1024 at a smaller hidden size)
+        _shared_kv_q_prolog_sample("v4-flash-rope-64", dtype, batch=1, seq=3, hidden=256, lora=1024, heads=2,
+                                   head_dim=512, rope_dim=64, rounded_tables=True, seed=8),
+        _shared_kv_q_prolog_sample("empty-seq", dtype, seq=0, seed=10),
+    ]
+
+
+def _shared_kv_prolog_sample(name, dtype, *, batch=2, seq=5, hidden=64, head_dim=32, rope_dim=8,
+                             norm_dtype=torch.float32, rounded_tables=False, shared_tables=False, seed=0):
+    g = _gen(seed)
+    cos, sin = _v4_rope_tables(dtype, batch, seq, rope_dim, rounded=rounded_tables, shared=shared_tables)
+    return Sample(name, ((torch.randn(batch, seq, hidden, generator=g)).to(dtype),
+                         (torch.randn(head_dim, hidden, generator=g) * hidden ** -0.5).to(dtype),
+                         _norm_weight(head_dim, norm_dtype, seed + 1), cos, sin))
+
+
+def _shared_kv_prolog_samples(dtype):
+    return [
+        _shared_kv_prolog_sample("small", dtype),
+        _shared_kv_prolog_sample("tables-SR", dtype, shared_tables=True, seed=2),
+        _shared_kv_prolog_sample("norm-weight-and-tables-in-activation-dtype", dtype, norm_dtype=dtype,
+                                 rounded_tables=True, seed=4),
+        _shared_kv_prolog_sample("rope-on-the-whole-row", dtype, head_dim=8, rope_dim=8, seed=6),
+        _shared_kv_prolog_sample("v4-flash-rope-64", dtype, batch=1, seq=3, hidden=256, head_dim=512, rope_dim=64,
+                                 rounded_tables=True, seed=8),
+        _shared_kv_prolog_sample("empty-seq", dtype, seq=0, seed=10),
+    ]
+
+
+def _v4_prolog_errors(op: str):
+    hidden = torch.randn(2, 5, 64)
+    cos, sin = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    if op == "shared_kv_q_prolog":
+        base = dict(hidden_states=hidden, q_a_weight=torch.randn(32, 64), q_norm_weight=torch.ones(32),
+                    q_b_weight=torch.randn(4 * 32, 32), cos=cos, sin=sin)
+        kwargs = {"num_heads": 4}
+        weight, norm, head = "q_a_weight", "q_norm_weight", "head_dim"
+    else:
+        base = dict(hidden_states=hidden, kv_weight=torch.randn(32, 64), kv_norm_weight=torch.ones(32), cos=cos,
+                    sin=sin)
+        kwargs = {}
+        weight, norm, head = "kv_weight", "kv_norm_weight", "head_dim"
+
+    def call(extra=None, **changes):
+        return Sample("", tuple(dict(base, **changes).values()), {**kwargs, **(extra or {})})
+
+    errors = [
+        ErrorInput("hidden-rank", call(hidden_states=hidden[0]), "hidden_states", rf"{op}: hidden_states must be 3-D"),
+        ErrorInput("hidden-dtype", call(hidden_states=hidden.int()), "hidden_states",
+                   rf"{op}: hidden_states must be float32"),
+        ErrorInput("weight-dtype", call(**{weight: base[weight].half()}), weight,
+                   rf"{op}: {weight} has dtype torch.float16 but hidden_states"),
+        ErrorInput("weight-in-features", call(**{weight: base[weight][:, :63]}), weight,
+                   rf"{op}: {weight} in_features \(dim 1\) must equal the hidden size"),
+        ErrorInput("norm-length", call(**{norm: torch.ones(31)}), norm, rf"{op}: {norm} length must equal"),
+        ErrorInput("norm-dtype", call(**{norm: torch.ones(32).half()}), norm,
+                   rf"{op}: {norm} must be float32 \(stock keeps the norm weights in fp32\) or hidden_states's dtype"),
+        ErrorInput("cos-batch", call(cos=torch.randn(3, 5, 4), sin=torch.randn(3, 5, 4)), "cos",
+                   rf"{op}: cos batch dim must be 1 or 2"),
+        ErrorInput("cos-seq", call(cos=cos[:, :4], sin=sin[:, :4]), "cos", rf"{op}: cos sequence dim must equal"),
+        ErrorInput("rope-wider-than-head", call(cos=torch.randn(2, 5, 17), sin=torch.randn(2, 5, 17)), "cos",
+                   rf"{op}: the rotary dim R = 34 \(twice the last dim of cos\) must not exceed {head}"),
+        ErrorInput("no-rotation-pair", call(cos=cos[..., :0], sin=sin[..., :0]), "cos",
+                   rf"{op}: cos has no rotation pair"),
+        ErrorInput("sin-shape", call(sin=sin[..., :2]), "sin", rf"{op}: cos and sin must have the same shape"),
+        ErrorInput("sin-dtype", call(sin=sin.long()), "sin", rf"{op}: sin must be float32"),
+        ErrorInput("device", call(cos=torch.randn(2, 5, 4, device="meta")), "cos",
+                   rf"{op}: all tensors must be on one device"),
+        ErrorInput("eps", call({"eps": -1.0}), "eps", rf"{op}: eps must be >= 0"),
+    ]
+    if op == "shared_kv_q_prolog":
+        errors += [
+            ErrorInput("q_b-in-features", call(q_b_weight=base["q_b_weight"][:, :31]), "q_b_weight",
+                       rf"{op}: q_b_weight in_features \(dim 1\) must equal q_lora_rank"),
+            ErrorInput("q_b-rows", call(q_b_weight=base["q_b_weight"][:127]), "q_b_weight",
+                       rf"{op}: q_b_weight has 127 rows, which must be num_heads \(4\) \* head_dim"),
+            ErrorInput("num_heads", call({"num_heads": 0}), "num_heads", rf"{op}: num_heads must be positive"),
+        ]
+    return errors
+
+
+# The stock arithmetic rounds to the activation dtype on the way (the q_a / kv projection, the normed
+# q_residual, the q_b projection, the unweighted norm's factor and product) where the oracle does not:
+# a few epsilons of the output's scale; fp32 GEMMs over up to 1024 inputs.
+_V4_PROLOG_BOUNDS = _eps_bounds(64, 4, 4)
+
+_register(OpCases("shared_kv_q_prolog", _shared_kv_q_prolog_samples, oracles.shared_kv_q_prolog_oracle,
+                  lambda: _v4_prolog_errors("shared_kv_q_prolog"), bounds=_V4_PROLOG_BOUNDS,
+                  selftest=("v4-flash-rope-64",)))
+_register(OpCases("shared_kv_prolog", _shared_kv_prolog_samples, oracles.shared_kv_prolog_oracle,
+                  lambda: _v4_prolog_errors("shared_kv_prolog"), bounds=_V4_PROLOG_BOUNDS,
+                  selftest=("v4-flash-rope-64",)))
+
+
+def _kv_compressor_sample(name, dtype, lens, *, overlap, ratio, head_dim=16, rope_dim=8, block_size=3,
+                          bias_dtype=torch.float32, positions=64, int64=False, seed=0) -> Sample:
+    """Requests of (seq_len, new tokens); a state of random rows (what earlier calls left), a pool of
+    random rows (the entries this call does not write must stay as they are), shuffled entry blocks."""
+    g = _gen(seed)
+    channels = 2 * head_dim if overlap else head_dim
+    seq_lens, q_lens = [n for n, _ in lens], [q for _, q in lens]
+    tables, _, starts, num_blocks = _requests([n // ratio for n in seq_lens], q_lens, block_size, seed=seed)
+    tokens = int(starts[-1])
+
+    def rand(*shape, to=dtype):
+        return torch.randn(*shape, generator=g).to(to)
+
+    rows = 2 * ratio if overlap else ratio
+    args = [rand(tokens, channels), rand(tokens, channels), rand(ratio, channels, to=bias_dtype),
+            _norm_weight(head_dim, bias_dtype, seed + 1), rand(positions, rope_dim // 2, to=torch.float32),
+            rand(positions, rope_dim // 2, to=torch.float32), rand(len(lens), rows, 2, channels),
+            rand(num_blocks, block_size, 1, head_dim), tables, torch.tensor(seq_lens, dtype=torch.int32), starts]
+    if int64:
+        args[8:] = [t.long() for t in args[8:]]
+    return Sample(name, tuple(args), {"compress_ratio": ratio, "overlap": overlap})
+
+
+def _kv_compressor_samples(dtype):
+    csa = dict(overlap=True, ratio=4)
+    return [
+        # a prefill from 0, a chunk, a decode step that closes a window, a prefill closing none
+        _kv_compressor_sample("csa-mixed", dtype, ((9, 9), (6, 2), (13, 1), (3, 3)), **csa),
+        _kv_compressor_sample("hca-mixed", dtype, ((17, 17), (9, 3)), overlap=False, ratio=8, seed=2),
+        _kv_compressor_sample("csa-decode", dtype, ((8, 1), (5, 1), (12, 1)), int64=True, seed=4, **csa),
+        _kv_compressor_sample("nothing-closes", dtype, ((7, 2), (2, 2)), seed=6, **csa),
+        # a bf16 / fp16 model loaded without keeping position_bias and the norm weight in fp32
+        _kv_compressor_sample("bias-and-norm-in-activation-dtype", dtype, ((12, 12), (9, 4)), bias_dtype=dtype,
+                              seed=8, **csa),
+        _kv_compressor_sample("no-new-tokens", dtype, ((4, 0),), seed=10, **csa),
+        # DeepSeek-V4-Flash's CSA compressor dims (D = 512, two series, R = 64, m = 4), entry blocks of 64
+        _kv_compressor_sample("v4-flash-csa", dtype, ((37, 37), (130, 3)), head_dim=512, rope_dim=64, block_size=64,
+                              positions=160, seed=12, **csa),
+        # HCA's rate 128: a prefill of 260 tokens (two entries) and a decode step closing entry 1
+        _kv_compressor_sample("hca-ratio-128", dtype, ((260, 260), (256, 1)), overlap=False, ratio=128, head_dim=32,
+                              block_size=2, positions=300, seed=14),
+    ]
+
+
+def _kv_compressor_errors():
+    op = "kv_compressor"
+    base_sample = _kv_compressor_sample("", torch.float32, ((9, 9), (6, 2)), overlap=True, ratio=4, block_size=3,
+                                        seed=20)
+    names = ("kv", "gate", "position_bias", "norm_weight", "cos_cache", "sin_cache", "state", "entry_cache",
+             "block_tables", "seq_lens", "query_start_loc")
+    base = dict(zip(names, base_sample.args))
+
+    def call(extra=None, **changes):
+        return Sample("", tuple(dict(base, **changes).values()), {**base_sample.kwargs, **(extra or {})})
+
+    i32 = torch.int32
+    return [
+        ErrorInput("kv-channels", call(kv=base["kv"][:, :16]), "kv", rf"{op}: kv channels \(dim 1\) must be 2 \* "
+                   r"head_dim with overlap=True"),
+        ErrorInput("gate-tokens", call(gate=base["gate"][:-1]), "gate", rf"{op}: gate tokens \(dim 0\) must equal"),
+        ErrorInput("gate-dtype", call(gate=base["gate"].bfloat16()), "gate", rf"{op}: gate has dtype torch.bfloat16"),
+        ErrorInput("position_bias-rows", call(position_bias=base["position_bias"][:3]), "position_bias",
+                   rf"{op}: position_bias rows \(dim 0\) must equal compress_ratio"),
+        ErrorInput("position_bias-dtype", call(position_bias=base["position_bias"].half()), "position_bias",
+                   rf"{op}: position_bias must be float32 \(stock keeps it in fp32\) or kv's dtype"),
+        ErrorInput("norm_weight-dtype", call(norm_weight=base["norm_weight"].half()), "norm_weight",
+                   rf"{op}: norm_weight must be float32"),
+        ErrorInput("rope-wider-than-head", call(cos_cache=torch.randn(64, 9), sin_cache=torch.randn(64, 9)),
+                   "cos_cache", rf"{op}: the rotary dim R = 18 .* must not exceed head_dim"),
+        ErrorInput("sin_cache-shape", call(sin_cache=base["sin_cache"][:3]), "sin_cache",
+                   rf"{op}: cos_cache and sin_cache must have the same shape"),
+        ErrorInput("state-rows", call(state=base["state"][:, :4]), "state",
+                   rf"{op}: state rows \(dim 1\) must be 2 \* compress_ratio with overlap=True"),
+        ErrorInput("state-batch", call(state=base["state"][:1]), "state",
+                   rf"{op}: state batch \(dim 0\) must equal the number of block-table rows"),
+        ErrorInput("state-dtype", call(state=base["state"].bfloat16()), "state", rf"{op}: state has dtype"),
+        ErrorInput("state-overlapping", call(state=base["state"][:, :, :1].expand(-1, -1, 2, -1)), "state",
+                   rf"{op}: state has overlapping memory"),
+        ErrorInput("entry_cache-dim", call(entry_cache=base["entry_cache"][..., :8]), "entry_cache",
+                   rf"{op}: entry_cache dim \(dim 3\) must equal head_dim"),
+        ErrorInput("entry_cache-overlapping", call(entry_cache=base["entry_cache"][:1].expand(4, -1, -1, -1)),
+                   "entry_cache", rf"{op}: entry_cache has overlapping memory"),
+        ErrorInput("block_tables-dtype", call(block_tables=base["block_tables"].float()), "block_tables",
+                   rf"{op}: block_tables must be an int32 or int64"),
+        ErrorInput("query_start_loc-length", call(query_start_loc=base["query_start_loc"][:2]), "query_start_loc",
+                   rf"{op}: query_start_loc must have one entry per request plus one"),
+        ErrorInput("compress_ratio-zero", call({"compress_ratio": 0}), "compress_ratio",
+                   rf"{op}: compress_ratio must be >= 1"),
+        ErrorInput("device", call(norm_weight=base["norm_weight"].to("meta")), "norm_weight",
+                   rf"{op}: all tensors must be on one device"),
+        # values, checked on the host before anything is written
+        ErrorInput("query_start_loc-end", call(query_start_loc=torch.tensor([0, 9, 10], dtype=i32)),
+                   "query_start_loc", r"query_start_loc\[-1\] = 10 must equal the number of query tokens \(11\)",
+                   ValueError),
+        ErrorInput("fewer-tokens-than-new", call(seq_lens=torch.tensor([9, 1], dtype=i32)), "seq_lens",
+                   r"seq_lens\[1\] = 1 is less than the request's 2 new tokens", ValueError),
+        ErrorInput("written-block-freed", call(block_tables=torch.full_like(base["block_tables"], -1)),
+                   "block_tables", r"block_tables\[0, 0\] = -1 holds entries this call writes", ValueError),
+        ErrorInput("entries-past-capacity", call(seq_lens=torch.tensor([9, 32], dtype=i32)), "seq_lens",
+                   r"seq_lens\[1\] = 32 closes entry 7 \(entries are seq_lens // compress_ratio 4\), beyond the "
+                   r"block table's capacity", ValueError),
+        ErrorInput("rope-position-past-the-tables",
+                   call(cos_cache=base["cos_cache"][:4], sin_cache=base["sin_cache"][:4]), "cos_cache",
+                   r"entry 1 of request 0 is rotated at position 4, but cos_cache / sin_cache hold positions 0..3",
+                   ValueError),
+    ]
+
+
+def _kv_compressor_unchecked_samples(dtype):
+    """Values the CPU checks refuse: the device path writes only the entries it can address, at
+    positions the tables hold."""
+    sample = _kv_compressor_sample("", dtype, ((9, 9), (13, 6)), overlap=True, ratio=4, seed=22)
+    tables = sample.args[8].clone()
+    tables[0, 0] = -1  # request 0's entries 0 and 1 (request 1 writes its entries 1 and 2)
+    args = sample.args
+    return [Sample("written-block-freed", (*args[:8], tables, *args[9:]), sample.kwargs),
+            # entry 2 of request 1 is rotated at position 8, past tables of 8 positions
+            Sample("rope-position-past-the-tables", (*args[:4], args[4][:8], args[5][:8], *args[6:]), sample.kwargs)]
+
+
+_register(OpCases("kv_compressor", _kv_compressor_samples, oracles.kv_compressor_oracle, _kv_compressor_errors,
+                  # softmax over the slots in fp32, then the product and the sum in the activation dtype (stock),
+                  # the norm in fp32 and the rotation rounded once; the softmax is fp32 for fp64 inputs too
+                  # (stock's softmax(dtype=torch.float32)): 64 float32 epsilons there
+                  bounds=_eps_bounds(64, 4, 4, fp64=64 * 2.0 ** 29), selftest=("v4-flash-csa", "hca-ratio-128"),
+                  paths={"sync-free": kv_compressor_sync_free}, unchecked_samples=_kv_compressor_unchecked_samples))

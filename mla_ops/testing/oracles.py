@@ -10,6 +10,7 @@ with the kernels: a kernel is right when it is within its rounding bound of thes
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -185,17 +186,20 @@ def scatter_pa_cache_oracle(key, cache, slot_mapping):
     return (cache,)
 
 
-def lightning_indexer_oracle(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale):
-    """-> (int32 [T, topk],): per query token at position p, the positions 0..p sorted by descending
-    score_j = sum_h w_h * relu(scale * q_h . k_j) (fp64), equal scores by ascending position; the first
-    topk of them, -1 past the p + 1 there are (every entry -1 for p < 0)."""
+def lightning_indexer_oracle(q, weights, k_cache, block_tables, seq_lens, query_start_loc, topk, softmax_scale,
+                             compress_ratio=1):
+    """-> (int32 [T, topk],): per query token at position p, the entries it sees, w < (p + 1) // m
+    (the positions 0..p for m = 1), sorted by descending score_w = sum_h w_h * relu(scale * q_h . k_w)
+    (fp64), equal scores by ascending index; the first topk of them, -1 past those there are (every
+    entry -1 for p < 0)."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
     for t, (b, p, _) in enumerate(_request_tokens(seq_lens, query_start_loc)):
-        if p < 0:  # values that leave the token no cached position (only the unchecked device paths take them)
+        visible = (p + 1) // compress_ratio
+        if p < 0 or visible == 0:  # p < 0: values only the unchecked device paths take
             continue
-        keys = torch.stack([_cached_row(k_cache, block_tables, b, j) for j in range(p + 1)])
-        scores = torch.relu(softmax_scale * (_f64(q[t]) @ keys.t())).t() @ _f64(weights[t])  # [p + 1]
-        ranked = sorted(range(p + 1), key=lambda j: (-float(scores[j]), j))[:topk]
+        keys = torch.stack([_cached_row(k_cache, block_tables, b, j) for j in range(visible)])
+        scores = torch.relu(softmax_scale * (_f64(q[t]) @ keys.t())).t() @ _f64(weights[t])  # [visible]
+        ranked = sorted(range(visible), key=lambda j: (-float(scores[j]), j))[:topk]
         out[t, : len(ranked)] = torch.tensor(ranked, dtype=torch.int32)
     return (out,)
 
@@ -216,3 +220,163 @@ def sparse_mla_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_ta
         scores = (_f64(q_latent[t]) @ latent.t() + _f64(q_pe[t]) @ k_pe.t()) * softmax_scale
         out[t] = torch.softmax(scores, dim=-1) @ latent
     return (out,)
+
+
+# --------------------------------------------------------------------------------- DeepSeek-V4
+def _pool_row(pool, tables, b: int, j: int):
+    """Row j of request b in a paged pool, or None when its block id is no block of the pool (values
+    only the unchecked device paths take)."""
+    block_size = pool.shape[1]
+    column = j // block_size
+    if column >= tables.shape[1]:
+        return None
+    block = int(tables[b, column])
+    if not 0 <= block < pool.shape[0]:
+        return None
+    return _f64(pool[block, j % block_size, 0])
+
+
+def shared_kv_attention_oracle(q, kv_cache, block_tables, seq_lens, query_start_loc, sinks, softmax_scale,
+                               sliding_window, compressed_cache=None, compressed_block_tables=None, compress_ratio=1,
+                               topk_indices=None):
+    """-> (out [T, H, D],): per query token at position p and head h, DeepSeek-V4's attention with a
+    sink, one head at a time: the rows k_j are the window rows of positions max(0, p - W + 1) .. p,
+    then the compressed entries w < (p + 1) // m (all of them, or those listed on the token's row,
+    -1 skipped, a repeat counted again);
+        l_j = scale * q[t, h] . k_j,  M = max(max_j l_j, sink_h),
+        out[t, h] = sum_j exp(l_j - M) k_j / (sum_j exp(l_j - M) + exp(sink_h - M))
+    (no sink term without sinks), zeros when there is no row. A row whose block id is not in its pool,
+    or a listed entry the token may not see (values only the unchecked device paths take), is skipped."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for t, (b, p, _) in enumerate(_request_tokens(seq_lens, query_start_loc)):
+        rows = [_pool_row(kv_cache, block_tables, b, j) for j in range(max(0, p - sliding_window + 1), p + 1)]
+        if compressed_cache is not None:
+            visible = (p + 1) // compress_ratio
+            listed = range(visible) if topk_indices is None else [int(w) for w in topk_indices[t]]
+            rows += [_pool_row(compressed_cache, compressed_block_tables, b, w) for w in listed if 0 <= w < visible]
+        rows = [r for r in rows if r is not None]
+        if not rows:
+            continue
+        keys = torch.stack(rows)  # [rows, D]: keys and values
+        for h in range(q.shape[1]):
+            logits = softmax_scale * (keys @ _f64(q[t, h]))  # [rows]
+            top = float(logits.max())
+            sink = None if sinks is None else float(sinks[h])
+            if sink is not None:
+                top = max(top, sink)
+            weights = torch.exp(logits - top)
+            denominator = float(weights.sum()) + (0.0 if sink is None else math.exp(sink - top))
+            out[t, h] = (weights @ keys) / denominator
+    return (out,)
+
+
+def _rotate_trailing(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [..., D] with its trailing R = 2 * cos.shape[-1] channels rotated pairwise, (x0, x1) at channels
+    (D - R + 2i, D - R + 2i + 1) -> (x0 c_i - x1 s_i, x1 c_i + x0 s_i); cos / sin broadcast against x[..., :R/2]."""
+    x = x.clone()
+    half = cos.shape[-1]
+    x0, x1 = x[..., -2 * half::2].clone(), x[..., -2 * half + 1::2].clone()
+    x[..., -2 * half::2] = x0 * cos - x1 * sin
+    x[..., -2 * half + 1::2] = x1 * cos + x0 * sin
+    return x
+
+
+def _v4_tables(table: Tensor, heads: bool) -> Tensor:
+    """cos / sin [B, S, R/2] or [S, R/2] lined up with [B, S, (N,) R/2] (one value per token)."""
+    table = _f64(table)
+    return table[..., None, :] if heads else table
+
+
+def shared_kv_q_prolog_oracle(hidden_states, q_a_weight, q_norm_weight, q_b_weight, cos, sin, *, num_heads, eps=1e-6):
+    """-> (q [B, S, N, D], q_residual [B, S, Q]): DeepSeek-V4's query path, one token and head at a time:
+    q_residual = w * c / sqrt(mean(c^2) + eps) with c = hidden @ q_a_weight^T; each head's row of
+    q_residual @ q_b_weight^T divided by its own sqrt(mean(row^2) + eps) (no weight); its trailing R
+    channels rotated in interleaved pairs by the token's angle."""
+    hidden, q_a, q_b, weight = _f64(hidden_states), _f64(q_a_weight), _f64(q_b_weight), _f64(q_norm_weight)
+    batch, seq, _ = hidden.shape
+    head_dim = q_b.shape[0] // num_heads
+    cos, sin = _f64(cos), _f64(sin)
+    q = torch.zeros(batch, seq, num_heads, head_dim, dtype=torch.float64)
+    q_residual = torch.zeros(batch, seq, q_a.shape[0], dtype=torch.float64)
+    for b in range(batch):
+        for s in range(seq):
+            c = q_a @ hidden[b, s]
+            q_residual[b, s] = weight * c / math.sqrt(float((c * c).mean()) + eps)
+            c_s, s_s = (cos[s], sin[s]) if cos.dim() == 2 else (cos[min(b, cos.shape[0] - 1), s],
+                                                                 sin[min(b, sin.shape[0] - 1), s])
+            for h in range(num_heads):
+                row = q_b[h * head_dim:(h + 1) * head_dim] @ q_residual[b, s]
+                row = row / math.sqrt(float((row * row).mean()) + eps)
+                q[b, s, h] = _rotate_trailing(row, c_s, s_s)
+    return q, q_residual
+
+
+def shared_kv_prolog_oracle(hidden_states, kv_weight, kv_norm_weight, cos, sin, *, eps=1e-6):
+    """-> (kv [B, S, D],): per token, w * c / sqrt(mean(c^2) + eps) with c = hidden @ kv_weight^T, its
+    trailing R channels rotated in interleaved pairs by the token's angle (DeepSeek-V4's K = V row)."""
+    hidden, kv_w, weight = _f64(hidden_states), _f64(kv_weight), _f64(kv_norm_weight)
+    batch, seq, _ = hidden.shape
+    cos, sin = _f64(cos), _f64(sin)
+    out = torch.zeros(batch, seq, kv_w.shape[0], dtype=torch.float64)
+    for b in range(batch):
+        for s in range(seq):
+            c = kv_w @ hidden[b, s]
+            c_s, s_s = (cos[s], sin[s]) if cos.dim() == 2 else (cos[min(b, cos.shape[0] - 1), s],
+                                                                 sin[min(b, sin.shape[0] - 1), s])
+            out[b, s] = _rotate_trailing(weight * c / math.sqrt(float((c * c).mean()) + eps), c_s, s_s)
+    return (out,)
+
+
+def kv_compressor_oracle(kv, gate, position_bias, norm_weight, cos_cache, sin_cache, state, entry_cache, block_tables,
+                         seq_lens, query_start_loc, *, compress_ratio, overlap, eps=1e-6):
+    """-> (state, entry_cache) after the call. Per request b with q_b new tokens at positions
+    n0 .. seq_lens[b] - 1 (n0 = seq_lens[b] - q_b; a token before n0 read from state[b, p % L], L = 2m
+    with overlap, m without), every entry w with n0 // m <= w < seq_lens[b] // m, one window at a time:
+    its slots are the tokens [wm, (w+1)m) (without overlap, gate + position_bias) or, with overlap, the
+    first D channels of tokens [(w-1)m, wm) (none for w = 0; bias[:, :D]) then the last D of tokens
+    [wm, (w+1)m) (bias[:, D:]); per channel sum_s softmax_s(g)_s kv_s; times norm_weight / sqrt(mean(.^2)
+    + eps); the trailing R channels rotated at position w * m; written at block_tables[b, w // bs],
+    offset w % bs. Then state[b, p % L] = (kv, gate) of the request's last min(q_b, L) new tokens. An entry
+    whose block id is not in the pool, or whose position is past the tables (values only the unchecked
+    device paths take), is not written."""
+    m, rows = compress_ratio, (2 * compress_ratio if overlap else compress_ratio)
+    kv64, gate64, bias, weight = _f64(kv), _f64(gate), _f64(position_bias), _f64(norm_weight)
+    cos_cache, sin_cache = _f64(cos_cache), _f64(sin_cache)
+    state_before = _f64(state)
+    state_after, entries = state_before.clone(), _f64(entry_cache).clone()
+    dim = weight.shape[0]
+    block_size = entry_cache.shape[1]
+    starts, lens = [int(v) for v in query_start_loc], [int(v) for v in seq_lens]
+    for b, n in enumerate(lens):
+        start, q_len = starts[b], starts[b + 1] - starts[b]
+        first = n - q_len
+
+        def token(p, b=b, start=start, first=first):  # (raw kv, raw gate) of request b's token at position p
+            if p >= first:
+                return kv64[start + p - first], gate64[start + p - first]
+            return state_before[b, p % rows, 0], state_before[b, p % rows, 1]
+
+        for w in range(first // m, n // m):
+            block = int(block_tables[b, w // block_size]) if w // block_size < block_tables.shape[1] else -1
+            if not 0 <= block < entries.shape[0] or w * m >= cos_cache.shape[0]:
+                continue
+            slots = []  # (kv [D], gate + bias [D])
+            if overlap:
+                if w > 0:
+                    slots += [(token(p)[0][:dim], token(p)[1][:dim] + bias[p - (w - 1) * m, :dim])
+                              for p in range((w - 1) * m, w * m)]
+                slots += [(token(p)[0][dim:], token(p)[1][dim:] + bias[p - w * m, dim:])
+                          for p in range(w * m, (w + 1) * m)]
+            else:
+                slots += [(token(p)[0], token(p)[1] + bias[p - w * m]) for p in range(w * m, (w + 1) * m)]
+            values = torch.stack([v for v, _ in slots])
+            weights = torch.softmax(torch.stack([g for _, g in slots]), dim=0)  # over the slots, per channel
+            pooled = (weights * values).sum(0)
+            normed = weight * pooled / math.sqrt(float((pooled * pooled).mean()) + eps)
+            entry = _rotate_trailing(normed, cos_cache[w * m], sin_cache[w * m])
+            entries[block, w % block_size, 0] = entry
+        for i in range(max(0, q_len - rows), q_len):
+            p = first + i
+            state_after[b, p % rows, 0] = kv64[start + i]
+            state_after[b, p % rows, 1] = gate64[start + i]
+    return state_after, entries

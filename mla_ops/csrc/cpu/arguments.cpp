@@ -145,6 +145,14 @@ void check_gather_args(std::string_view op, const at::Tensor& key_cache, const a
   }
 }
 
+// mla_ops/ops/sparse_attention.py: check_compress_ratio
+void check_compress_ratio(std::string_view op, int64_t compress_ratio) {
+  TORCH_CHECK(compress_ratio >= 1, prefix(op),
+              "compress_ratio must be >= 1 (tokens pooled into one cached entry; 1 when the cache holds one entry per "
+              "token), got ",
+              compress_ratio);
+}
+
 // mla_ops/ops/sparse_attention.py: _check_requests
 void check_requests(std::string_view op, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                     const at::Tensor& query_start_loc) {
@@ -158,6 +166,18 @@ void check_requests(std::string_view op, const at::Tensor& block_tables, const a
   check_rank(op, "query_start_loc", query_start_loc, 1, "[batch + 1] (cumulative query tokens per request)");
   check_size(op, "query_start_loc", query_start_loc.size(0), block_tables.size(0) + 1,
              "must have one entry per request plus one (cumulative counts starting at 0)");
+}
+
+// mla_ops/ops/shared_kv_attention.py: _check_pool
+void check_shared_pool(std::string_view op, std::string_view name, const at::Tensor& pool, const at::Tensor& q,
+                       std::string_view rows) {
+  check_rank(op, name, pool, 4, "[num_blocks, block_size, 1, head_dim] (" + std::string(rows) + ")");
+  check_size(op, name, pool.size(2), 1,
+             "heads (dim 2) must be 1: one row per entry, shared by every head as key and value");
+  check_size(op, name, pool.size(3), q.size(2), "dim (dim 3) must equal head_dim, q's last dim");
+  TORCH_CHECK(pool.size(0) >= 1, prefix(op), name, " needs at least one block (dim 0), got 0");
+  TORCH_CHECK(pool.size(1) >= 1, prefix(op), "block_size (", name, " dim 1) must be >= 1, got 0");
+  check_same_dtype(op, name, pool, "q", q);
 }
 
 }  // namespace
@@ -271,9 +291,11 @@ void check_scatter_pa_cache_args(const at::Tensor& key, const at::Tensor& cache,
 // mla_ops/ops/sparse_attention.py: check_lightning_indexer_args
 void check_lightning_indexer_args(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  const at::Tensor& query_start_loc, int64_t topk, double softmax_scale) {
+                                  const at::Tensor& query_start_loc, int64_t topk, double softmax_scale,
+                                  int64_t compress_ratio) {
   constexpr std::string_view op = "lightning_indexer";
   check_softmax_scale(op, softmax_scale);
+  check_compress_ratio(op, compress_ratio);
   TORCH_CHECK(topk >= 1, prefix(op), "topk must be >= 1 (the number of positions kept per query token), got ", topk);
   check_float(op, "q", q);
   check_rank(op, "q", q, 3, "[tokens, index_heads, index_head_dim] (rotated indexer queries)");
@@ -332,6 +354,65 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                          {"seq_lens", &seq_lens},
                          {"query_start_loc", &query_start_loc},
                          {"topk_indices", &topk_indices}});
+}
+
+// mla_ops/ops/shared_kv_attention.py: check_shared_kv_attention_args
+void check_shared_kv_attention_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                    const std::optional<at::Tensor>& sinks, double softmax_scale,
+                                    int64_t sliding_window, const std::optional<at::Tensor>& compressed_cache,
+                                    const std::optional<at::Tensor>& compressed_block_tables, int64_t compress_ratio,
+                                    const std::optional<at::Tensor>& topk_indices) {
+  constexpr std::string_view op = "shared_kv_attention";
+  check_softmax_scale(op, softmax_scale, " (e.g. head_dim ** -0.5)");
+  TORCH_CHECK(sliding_window >= 1, prefix(op),
+              "sliding_window must be >= 1 (the window rows a token sees, itself included), got ", sliding_window);
+  check_compress_ratio(op, compress_ratio);
+  check_float(op, "q", q);
+  check_rank(op, "q", q, 3, "[tokens, heads, head_dim] (normed, rotated queries)");
+  check_shared_pool(op, "kv_cache", kv_cache, q, "the window rows, one per token");
+  check_requests(op, block_tables, seq_lens, query_start_loc);
+  if (sinks.has_value()) {
+    check_float(op, "sinks", *sinks);
+    check_rank(op, "sinks", *sinks, 1, "[heads] (one sink logit per head)");
+    check_size(op, "sinks", sinks->size(0), q.size(1), "length must equal the heads of q (dim 1)");
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat || sinks->scalar_type() == q.scalar_type(), prefix(op),
+                "sinks must be float32 or q's dtype ", py_dtype(q), ", got ", py_dtype(*sinks));
+  }
+  if (!compressed_cache.has_value()) {
+    TORCH_CHECK(!compressed_block_tables.has_value(), prefix(op),
+                "compressed_block_tables was given without compressed_cache; pass both (the compressor's entry pool "
+                "and its block tables) or neither");
+    TORCH_CHECK(!topk_indices.has_value(), prefix(op),
+                "topk_indices lists compressed entries, but compressed_cache is None; pass compressed_cache and "
+                "compressed_block_tables with it");
+  } else {
+    TORCH_CHECK(compressed_block_tables.has_value(), prefix(op),
+                "compressed_cache was given without compressed_block_tables; pass its block tables [batch, "
+                "max_entry_blocks]");
+    check_shared_pool(op, "compressed_cache", *compressed_cache, q,
+                      "the compressor's entries, one per compress_ratio tokens");
+    check_index(op, "compressed_block_tables", *compressed_block_tables);
+    check_rank(op, "compressed_block_tables", *compressed_block_tables, 2, "[batch, max_entry_blocks]");
+    check_size(op, "compressed_block_tables", compressed_block_tables->size(0), block_tables.size(0),
+               "rows must equal block_tables' (one per request)");
+    if (topk_indices.has_value()) {
+      check_index(op, "topk_indices", *topk_indices);
+      check_rank(op, "topk_indices", *topk_indices, 2,
+                 "[tokens, topk] (request-local compressed entry indices, -1 = none)");
+      check_size(op, "topk_indices", topk_indices->size(0), q.size(0), "tokens (dim 0) must equal q's");
+    }
+  }
+  const auto optional = [](const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; };
+  check_same_device(op, {{"q", &q},
+                         {"kv_cache", &kv_cache},
+                         {"block_tables", &block_tables},
+                         {"seq_lens", &seq_lens},
+                         {"query_start_loc", &query_start_loc},
+                         {"sinks", optional(sinks)},
+                         {"compressed_cache", optional(compressed_cache)},
+                         {"compressed_block_tables", optional(compressed_block_tables)},
+                         {"topk_indices", optional(topk_indices)}});
 }
 
 // mla_ops/ops/rms_norm.py: check_rms_norm_args

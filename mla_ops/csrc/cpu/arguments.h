@@ -20,7 +20,14 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                                      const at::Tensor& topk_indices, double softmax_scale);
 void check_lightning_indexer_args(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  const at::Tensor& query_start_loc, int64_t topk, double softmax_scale);
+                                  const at::Tensor& query_start_loc, int64_t topk, double softmax_scale,
+                                  int64_t compress_ratio);
+void check_shared_kv_attention_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                    const std::optional<at::Tensor>& sinks, double softmax_scale,
+                                    int64_t sliding_window, const std::optional<at::Tensor>& compressed_cache,
+                                    const std::optional<at::Tensor>& compressed_block_tables, int64_t compress_ratio,
+                                    const std::optional<at::Tensor>& topk_indices);
 void check_kv_prolog_args(const at::Tensor& hidden, const at::Tensor& kv_a_weight,
                           const std::optional<at::Tensor>& kv_a_bias, const at::Tensor& kv_norm_weight,
                           const at::Tensor& kv_b_weight, const at::Tensor& cos, const at::Tensor& sin,

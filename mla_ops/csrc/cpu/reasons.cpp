@@ -79,6 +79,17 @@ Reasons sparse_attention_reasons(const at::Tensor& q_latent, const at::Tensor& k
   return attention_reasons(q_latent, key_cache, value_cache, "sparse attention");
 }
 
+Reasons shared_kv_attention_reasons(const at::Tensor& q, const at::Tensor& kv_cache,
+                                    const std::optional<at::Tensor>& compressed_cache) {
+  Reasons reasons;
+  add_dtype_reason(reasons, q);
+  if (kv_cache.stride(3) != 1 || (compressed_cache.has_value() && compressed_cache->stride(3) != 1)) {
+    reasons.push_back("the pools' last dim (kv_cache, compressed_cache) must be unit-stride for the native shared-KV "
+                      "attention kernel");
+  }
+  return reasons;
+}
+
 Reasons rms_norm_reasons(const at::Tensor& x, const at::Tensor& weight) {
   Reasons reasons;
   add_dtype_reason(reasons, x);

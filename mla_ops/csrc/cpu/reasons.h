@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -24,6 +25,9 @@ Reasons sparse_attention_reasons(const at::Tensor& q_latent, const at::Tensor& k
 Reasons prolog_reasons(const at::Tensor& hidden_states, const at::Tensor& cos, const at::Tensor& sin,
                        std::string_view rope_layout, std::string_view rope_compute_dtype);
 Reasons indexer_reasons(const at::Tensor& q);
+// shared_kv_attention: both pools' rows are read in place.
+Reasons shared_kv_attention_reasons(const at::Tensor& q, const at::Tensor& kv_cache,
+                                    const std::optional<at::Tensor>& compressed_cache);
 Reasons rms_norm_reasons(const at::Tensor& x, const at::Tensor& weight);
 
 // The reasons of an op whose arguments number I... are the arguments of `reasons`, in order (for

@@ -21,6 +21,8 @@ TORCH_LIBRARY_IMPL(mla, CatchAll, m) {
   register_native_op<lightning_indexer_kernel, check_lightning_indexer_args, ReasonsOf<indexer_reasons, 0>>(m);
   register_native_op<sparse_mla_attention_kernel, check_sparse_mla_attention_args,
                      ReasonsOf<sparse_attention_reasons, 0, 2, 3>>(m);
+  register_native_op<shared_kv_attention_kernel, check_shared_kv_attention_args,
+                     ReasonsOf<shared_kv_attention_reasons, 0, 1, 8>>(m);
 }
 
 }  // namespace mla_native

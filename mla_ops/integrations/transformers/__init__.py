@@ -1,5 +1,6 @@
 """transformers integration: route multi-head latent attention (DeepSeek-V2/V3, the MLA families
-built on them, and DeepSeek-V3.2 / GLM-5 sparse attention) through `torch.ops.mla`.
+built on them, and DeepSeek-V3.2 / GLM-5 sparse attention) and DeepSeek-V4's shared-KV attention
+through `torch.ops.mla`.
 
     import mla_ops
     handle = mla_ops.patch(model)                  # paged latent cache, absorbed decode
@@ -13,7 +14,8 @@ releases), `forwards` (the installed forwards), `attention_parts` (pieces every 
 `paged_cache` (MLAPagedCache), `paged_attention` (the paged forward, absorbed decode), `indexer`
 (DeepSeek Sparse Attention's top-k: the stock indexer's in dense mode, mla.lightning_indexer in paged),
 `generation` (model-level cache hooks), `patching` (reversible, scoped attribute patches), `remote_code`
-(the hub remote code of DeepSeek-V2).
+(the hub remote code of DeepSeek-V2), `shared_kv` (DeepSeek-V4: recognition and its forward in both modes)
+and `shared_kv_cache` (SharedKvPagedCache, its paged cache).
 """
 from . import releases  # noqa: F401 (public: what each transformers release supports)
 from .families import MlaFamily, describe, families_of, installed_mla_model_types, is_mla_attention
@@ -23,10 +25,11 @@ from .patching import PatchHandle, active_patches, revert
 from .releases import ALLOW_UNTESTED_ENV, SUPPORTED_TRANSFORMERS, check_transformers_version
 from .remote_code import is_remote_attention, remote_attention_forward
 
-__all__ = ["apply", "revert", "active_patches", "PatchHandle", "PatchOptions", "MLAPagedCache", "CACHE_MODES",
-           "SUPPORTED_TRANSFORMERS", "ALLOW_UNTESTED_ENV", "check_transformers_version", "is_mla_attention",
-           "is_remote_attention", "mla_attention_forward", "remote_attention_forward", "rms_norm_forward",
-           "cache_bytes_per_token_per_layer", "MlaFamily", "describe", "families_of", "installed_mla_model_types"]
+__all__ = ["apply", "revert", "active_patches", "PatchHandle", "PatchOptions", "MLAPagedCache", "SharedKvPagedCache",
+           "CACHE_MODES", "SUPPORTED_TRANSFORMERS", "ALLOW_UNTESTED_ENV", "check_transformers_version",
+           "is_mla_attention", "is_remote_attention", "mla_attention_forward", "remote_attention_forward",
+           "rms_norm_forward", "cache_bytes_per_token_per_layer", "MlaFamily", "describe", "families_of",
+           "installed_mla_model_types"]
 
 
 def __getattr__(name):
@@ -36,4 +39,8 @@ def __getattr__(name):
         from . import paged_cache
 
         return getattr(paged_cache, name)
+    if name == "SharedKvPagedCache":
+        from .shared_kv_cache import SharedKvPagedCache
+
+        return SharedKvPagedCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

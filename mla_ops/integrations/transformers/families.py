@@ -112,7 +112,9 @@ class MlaFamily:
     forward's parameter names after `self`, in order (positional calls are mapped onto them).
     `indexer`: the sparse-attention indexer's RoPE function (the name in the modeling module; None:
     dense attention). `shared_topk`: the forward takes `prev_topk_indices` and returns its top-k third
-    (GLM-5's cross-layer sharing). `refused`: why it cannot be patched (None when it can)."""
+    (GLM-5's cross-layer sharing). `refused`: why it cannot be patched (None when it can). `shared_kv`:
+    DeepSeek-V4's shared-KV attention (one K=V row per token, compressors, sinks; served by `shared_kv`,
+    whose `describe_shared_kv` reads such a class)."""
 
     attention: type
     model_type: str
@@ -127,6 +129,7 @@ class MlaFamily:
     indexer: Optional[str] = None
     shared_topk: bool = False
     refused: Optional[str] = None
+    shared_kv: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -188,7 +191,12 @@ def builds_mla_modules(cls: type) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def describe(cls: type) -> MlaFamily:
-    """Read `cls` (an attention class that `builds_mla_modules`) into an MlaFamily."""
+    """Read `cls` (an attention class that `builds_mla_modules`, or DeepSeek-V4's shared-KV attention) into
+    an MlaFamily."""
+    from . import shared_kv
+
+    if shared_kv.builds_shared_kv_modules(cls):
+        return shared_kv.describe_shared_kv(cls)
     names = _forward_names(cls)
     module = cls.__module__
     model_type = module.split(".")[2] if module.startswith("transformers.models.") else module
@@ -369,10 +377,13 @@ def installed_mla_model_types() -> tuple[str, ...]:
 
 
 def families_of(model_type: str) -> list[MlaFamily]:
-    """Every MLA attention class of one installed model family (imports its modeling module)."""
+    """Every MLA (or DeepSeek-V4 shared-KV) attention class of one installed model family (imports its
+    modeling module)."""
     import importlib
+
+    from .shared_kv import builds_shared_kv_modules
 
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     return [describe(obj) for obj in vars(modeling).values()
             if isinstance(obj, type) and obj.__module__ == modeling.__name__ and "forward" in vars(obj)
-            and builds_mla_modules(obj)]
+            and (builds_mla_modules(obj) or builds_shared_kv_modules(obj))]

@@ -1,7 +1,9 @@
-"""Model-level hooks of the paged mode: the model builds an `MLAPagedCache` where it would build
-its own cache, and each forward's token slots are planned once, before the layers run."""
+"""Model-level hooks of the paged mode: the model builds an `MLAPagedCache` (a `SharedKvPagedCache` for
+DeepSeek-V4) where it would build its own cache, and each forward's token slots are planned once, before
+the layers run."""
 from __future__ import annotations
 
+import copy
 import types
 import weakref
 
@@ -12,6 +14,27 @@ from .families import is_mla_attention
 from .paged_attention import drop_absorbed_weights, track_absorbed_owners
 from .paged_cache import MLAPagedCache, unsupported
 from .patching import stock_attr
+from .shared_kv import is_shared_kv_attention
+from .shared_kv_cache import SharedKvPagedCache
+
+PAGED_CACHES = (MLAPagedCache, SharedKvPagedCache)
+# What a DeepSeek-V4 model forward gets as its attention mask under the paged cache: its forward takes the
+# first mask of a dict as built, so it builds none (mla.shared_kv_attention applies the window itself).
+NO_MASK = {"sliding_attention": None}
+
+
+def holds_shared_kv(decoder) -> bool:
+    """Whether `decoder`'s layers attend with DeepSeek-V4's shared-KV attention (its paged cache is a
+    SharedKvPagedCache)."""
+    return any(is_shared_kv_attention(m) for m in decoder.modules())
+
+
+def new_paged_cache(decoder, config, **kwargs):
+    """The paged cache for `decoder`: a SharedKvPagedCache for DeepSeek-V4, else an MLAPagedCache holding
+    its MLA layers (`kwargs`: the caches' common arguments)."""
+    if holds_shared_kv(decoder):
+        return SharedKvPagedCache(config, **kwargs)
+    return MLAPagedCache(config, num_layers=paged_layer_count(decoder), **kwargs)
 
 
 def paged_layer_count(decoder) -> int:
@@ -55,17 +78,19 @@ def _model_forward_with_paged_cache(original_forward, keyword: str):
         if use_cache and cache is None and not torch.is_grad_enabled() and not _instance_wants_dense(self):
             # With gradients (training), the model's own cache and the dense path serve: the paged
             # cache's writes are inference-only ops.
-            cache = MLAPagedCache(self.config, num_layers=paged_layer_count(self))
-        if isinstance(cache, MLAPagedCache):
+            cache = new_paged_cache(self, self.config)
+        if isinstance(cache, PAGED_CACHES):
             tokens = input_ids if input_ids is not None else inputs_embeds
             cache.begin_forward(attention_mask, tokens.shape[0], tokens.shape[1], self.embed_tokens.weight.dtype,
                                 tokens.device)
+            if isinstance(cache, SharedKvPagedCache):
+                attention_mask = NO_MASK
         try:
             return original_forward(self, input_ids=input_ids, attention_mask=attention_mask,
                                     position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
                                     **{keyword: cache}, **kwargs)
         finally:
-            if isinstance(cache, MLAPagedCache):
+            if isinstance(cache, PAGED_CACHES):
                 cache.end_forward()
 
     forward.__name__ = "mla_ops_paged_model_forward"
@@ -75,21 +100,29 @@ def _model_forward_with_paged_cache(original_forward, keyword: str):
 
 def _prepare_cache_with_paged(original, keyword: str):
     """Wrap GenerationMixin._prepare_cache_for_generation: the cache generate makes becomes an
-    MLAPagedCache (static when cache_implementation='static'); a user-passed cache is respected.
+    MLAPagedCache, or a SharedKvPagedCache for DeepSeek-V4 (static when cache_implementation='static'); a
+    user-passed cache is respected.
     `keyword`: generate's model_kwargs key for the cache (`cache`, `past_key_values` before 5.24)."""
 
     def prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
         passed = model_kwargs.get(keyword)  # a cache the caller handed generate
-        result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        decoder = getattr(self, "model", None)
+        shared_kv = decoder is not None and holds_shared_kv(decoder)
+        static = generation_config.cache_implementation == "static"
+        stock_config = generation_config
+        if shared_kv and static and passed is None and not _instance_wants_dense(decoder):
+            # transformers' StaticCache has no DeepSeek-V4 layers: stock makes its dynamic cache, replaced below
+            stock_config = copy.copy(generation_config)
+            stock_config.cache_implementation = None
+        result = original(self, stock_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         made = model_kwargs.get(keyword)
         if (made is None or made is passed or getattr(made, "_is_user_defined", False)
-                or isinstance(made, MLAPagedCache)):
+                or isinstance(made, PAGED_CACHES)):
             return result
-        if _instance_wants_dense(getattr(self, "model", None)):  # a class-level hook, a dense instance patch
+        if _instance_wants_dense(decoder):  # a class-level hook, a dense instance patch
             return result
         if generation_config.num_beams > 1:
             unsupported("beam search (num_beams > 1)")
-        static = generation_config.cache_implementation == "static"
         requested = getattr(generation_config, "max_cache_len", None)  # (a generation option from 5.13)
         if static and requested is not None:  # as transformers sizes StaticCache
             max_cache_length = max(max_cache_length, requested)
@@ -97,9 +130,13 @@ def _prepare_cache_with_paged(original, keyword: str):
         # generate expands the batch by num_return_sequences before the first forward (as transformers
         # sizes its own caches)
         rows = batch_size * max(1, generation_config.num_return_sequences or 1)
+        if shared_kv:  # (in the activations' dtype: DeepSeek-V4 keeps some weights in fp32)
+            model_kwargs[keyword] = SharedKvPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
+                                                       static=static, dtype=decoder.embed_tokens.weight.dtype,
+                                                       device=self.device)
+            return result
         # a compiled decode makes the absorbed copies inside the trace: register their owners here
         track_absorbed_owners(m for m in self.modules() if hasattr(m, "kv_b_proj"))
-        decoder = getattr(self, "model", None)
         layers = paged_layer_count(decoder) if decoder is not None else None
         model_kwargs[keyword] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
                                               static=static, dtype=self.dtype, device=self.device, num_layers=layers)

@@ -288,20 +288,8 @@ class MLAPagedCache(Cache):
 
     def _real_token_flags(self, attention_mask, batch_size, new_tokens, device) -> torch.Tensor:
         """[B, S] bool: which new tokens are real (not padding), from a 2-D or 4-D attention mask."""
-        if isinstance(attention_mask, dict):  # one mask per layer type (generate prepares them): any shows padding
-            attention_mask = next(iter(attention_mask.values()), None)
-        if attention_mask is None:
-            return torch.ones(batch_size, new_tokens, dtype=torch.bool, device=device)
-        if attention_mask.dim() == 2:
-            return attention_mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
-        if attention_mask.dim() == 4:
-            # A token is real iff it may attend to itself (padding columns are masked for every query).
-            seen = self._seen_tensor if self.static else self._seen
-            own = torch.arange(new_tokens, device=attention_mask.device)
-            diag = attention_mask[:, 0, own, own + seen]
-            allowed = diag if diag.dtype == torch.bool else diag == 0
-            return allowed.to(device)
-        raise ValueError(f"unsupported attention_mask of shape {tuple(attention_mask.shape)}")
+        seen = self._seen_tensor if self.static else self._seen
+        return real_token_flags(attention_mask, batch_size, new_tokens, device, seen)
 
     def _plan_dynamic(self, real: torch.Tensor) -> ForwardPlan:
         bs = self.block_size
@@ -427,11 +415,30 @@ class MLAPagedCache(Cache):
         }
 
 
+def real_token_flags(attention_mask, batch_size: int, new_tokens: int, device, seen) -> torch.Tensor:
+    """[B, S] bool: which of a forward's S new tokens are real (not padding), from a 2-D or 4-D attention
+    mask (or a dict of them, one per layer type, as generate prepares them); `seen`: the positions the
+    cache has seen before the forward (an int, or a tensor in a static cache)."""
+    if isinstance(attention_mask, dict):  # any of them shows the padding
+        attention_mask = next(iter(attention_mask.values()), None)
+    if attention_mask is None:
+        return torch.ones(batch_size, new_tokens, dtype=torch.bool, device=device)
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
+    if attention_mask.dim() == 4:
+        # A token is real iff it may attend to itself (padding columns are masked for every query).
+        own = torch.arange(new_tokens, device=attention_mask.device)
+        diag = attention_mask[:, 0, own, own + seen]
+        allowed = diag if diag.dtype == torch.bool else diag == 0
+        return allowed.to(device)
+    raise ValueError(f"unsupported attention_mask of shape {tuple(attention_mask.shape)}")
+
+
 def cache_bytes_per_token_per_layer(cache, tokens: int) -> float:
-    """Cache bytes per token and layer: an MLAPagedCache's assigned blocks (its memory_report), or
-    everything a dense transformers cache holds for `tokens` tokens (a sparse family's indexer keys
-    included)."""
-    if isinstance(cache, MLAPagedCache):
+    """Cache bytes per token and layer: a paged cache's assigned blocks (the memory_report of an
+    MLAPagedCache or a SharedKvPagedCache), or everything a dense transformers cache holds for `tokens`
+    tokens (a sparse family's indexer keys included)."""
+    if isinstance(cache, MLAPagedCache) or getattr(cache, "holds_shared_kv_pages", False):
         return cache.memory_report()["bytes_per_token_per_layer"]
     held = sum(layer.keys.nbytes + layer.values.nbytes + getattr(getattr(layer, "indexer_keys", None), "nbytes", 0)
                for layer in cache.layers)

@@ -17,6 +17,9 @@ Targets:
   and decodes through `mla.sparse_mla_attention`, see `indexer`); other indexers and forwards doing
   something the patch does not reproduce are refused with the reason (an indexer is also run once on a
   random input at patch time, to check it picks what DeepSeek-V3.2's does);
+* DeepSeek-V4's shared-KV attention (`shared_kv`), recognised by structure as well: kv_prolog=True routes
+  it as a whole (prologs, compressors, indexer, inverse RoPE; with cache="paged" the attention and a
+  `SharedKvPagedCache` too);
 * the hub remote code's `DeepseekV2Attention` of `modeling_deepseek.py` (trust_remote_code), found on
   the model instance, on whatever transformers runs it (`remote_code`; dense cache only).
 
@@ -44,6 +47,7 @@ from .paged_attention import ABSORBED_ATTRIBUTE
 from .patching import PatchHandle, open_handle
 from .releases import check_paged_supported, check_transformers_version, current_release
 from .remote_code import REMOTE_FLASH_ATTENTION, is_remote_attention, remote_attention_forward, stock_rope_compute_dtype
+from .shared_kv import is_shared_kv_attention, layer_refusal, shared_kv_attention_forward
 
 CACHE_MODES = ("dense", "paged")
 # "stock": the rounding of the model's own forward; or one of the ops' rope_compute_dtype values
@@ -116,7 +120,9 @@ def patch(model: Optional[torch.nn.Module] = None, *, family: Optional[str] = No
             (`releases.PAGED_SINCE` on); no beam search. "dense": transformers' cache holds the full
             per-head K/V, N*(P+R) + N*V values per token and layer (V2-Lite: 16*192 + 16*128 = 5120,
             10240 B in bf16); every target, the hub remote code included; with kv_prolog=False, the
-            model's own cache.
+            model's own cache. DeepSeek-V4: "paged" is a `SharedKvPagedCache` (window rows, compressed
+            entries and compressor states in block pools, attention by `mla.shared_kv_attention`;
+            batches without padding), "dense" its own cache (`shared_kv`).
         q_prolog: the query path (q_a -> RMSNorm -> q_b, or q_proj -> split -> RoPE) in one `mla.q_prolog`
             call.
         rope_compute_dtype: where the ops round the RoPE they compute (k_pe in the prologs, q_pe with
@@ -202,9 +208,28 @@ class _Targets:
 def _attention_patch(family: MlaFamily, options: PatchOptions, release) -> LayerPatch:
     if family.refused:
         raise NotImplementedError(f"{family.name} cannot be patched: {family.refused}")
+    if family.shared_kv:
+        return _shared_kv_patch(family, options, release)
     if options.q_prolog and family.lora_scales:
         raise ValueError(f"q_prolog=True: {family.name} scales q between q_b_proj and RoPE, which mla.q_prolog "
                          f"does not; use q_prolog=False (rope=True routes its RoPE)")
+    return LayerPatch(options, family, release)
+
+
+def _shared_kv_patch(family: MlaFamily, options: PatchOptions, release) -> LayerPatch:
+    """DeepSeek-V4's attention is patched as a whole (both prologs with their RoPE, the compressors, the
+    indexer, the inverse RoPE; paged: the attention too): kv_prolog=True routes it, q_prolog and rope are
+    part of it; rms_norm and a rope_compute_dtype other than "stock" are refused."""
+    if not options.kv_prolog:
+        raise ValueError(f"kv_prolog=False: {family.name} is patched as a whole (its prologs with their RoPE, "
+                         f"compressors, indexer and inverse RoPE on the ops); pass kv_prolog=True")
+    if options.rms_norm:
+        raise ValueError(f"rms_norm=True: {family.name}'s RMSNorm multiplies by its fp32 weight before rounding, "
+                         f"which mla.rms_norm does not reproduce (its prolog ops compute the attention's norms); "
+                         f"pass rms_norm=False")
+    if options.rope_compute_dtype != "stock":
+        raise ValueError(f"rope_compute_dtype={options.rope_compute_dtype!r}: {family.name}'s ops rotate as its "
+                         f"stock forward does (fp32, rounded once); leave rope_compute_dtype='stock'")
     return LayerPatch(options, family, release)
 
 
@@ -258,6 +283,19 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
             raise NotImplementedError("the hub remote code's DeepseekV2FlashAttention2 takes flash-attention "
                                       "masks this patch does not build: load the model with "
                                       "attn_implementation='eager', or use transformers' native DeepSeek-V2")
+        elif is_shared_kv_attention(module):
+            if not native:
+                check_transformers_version()
+                native, release = True, current_release()
+                if options.cache == "paged":
+                    check_paged_supported(release)
+            found_attention = True
+            family = describe(type(module))
+            layer = _attention_patch(family, options, release)  # (refuses what it cannot serve, before anything)
+            refusal = layer_refusal(module)
+            if refusal:
+                raise NotImplementedError(f"{family.name} cannot be patched: {refusal}")
+            attention.append((module, layer))
         elif is_mla_attention(module):
             if not native:
                 check_transformers_version()  # the native forward and cache API are release-specific
@@ -279,8 +317,8 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
                 attention.append((module, layer))
     if not found_attention:
         raise ValueError(f"no multi-head latent attention found in {type(model).__name__}: expected a transformers "
-                         f"MLA model (DeepSeek-V2/V3 and the families `mla-ops info` lists) or the hub remote code "
-                         f"of DeepSeek-V2 (modeling_deepseek.py)")
+                         f"MLA model (DeepSeek-V2/V3/V4 and the families `mla-ops info` lists) or the hub remote "
+                         f"code of DeepSeek-V2 (modeling_deepseek.py)")
     # RMSNorms of the modeling modules that define the model's MLA attention (the norms the ops compute)
     attention_modules = {type(m).__module__ for m in model.modules() if is_remote_attention(m) or is_mla_attention(m)}
     norms = [m for m in model.modules()
@@ -292,7 +330,8 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
 
         decoders = [(decoder, model) for decoder in _decoders(model)]
         for decoder, _ in decoders:
-            generation.paged_layer_count(decoder)  # refuses hybrids before anything is patched
+            if not generation.holds_shared_kv(decoder):
+                generation.paged_layer_count(decoder)  # refuses hybrids before anything is patched
         if not decoders:
             raise ValueError(f"cache='paged' needs the decoder (a module with embed_tokens and layers) inside "
                              f"{type(model).__name__}")
@@ -306,7 +345,7 @@ def _patch(handle: PatchHandle, model, targets: _Targets) -> None:
     if model is None:
         for cls, layer in targets.attention:
             handle.set(cls, PATCH_ATTRIBUTE, layer)
-            handle.set(cls, "forward", mla_attention_forward)
+            handle.set(cls, "forward", shared_kv_attention_forward if layer.family.shared_kv else mla_attention_forward)
             # copies of a class-patched model follow the class; only the derived copies stay behind
             handle.set(cls, "__getstate__", _state_without_absorbed)
             handle.patched_modules += 1
@@ -315,7 +354,8 @@ def _patch(handle: PatchHandle, model, targets: _Targets) -> None:
             handle.patched_modules += 1
     else:
         for module, layer in targets.attention:
-            forward = remote_attention_forward if layer.family is None else mla_attention_forward
+            forward = (remote_attention_forward if layer.family is None
+                       else shared_kv_attention_forward if layer.family.shared_kv else mla_attention_forward)
             handle.set(module, PATCH_ATTRIBUTE, layer, in_dict=True)
             handle.set(module, "forward", types.MethodType(forward, module), in_dict=True)
             handle.patched_modules += 1

@@ -130,10 +130,12 @@ inline T from_f32(float v) {
   return static_cast<T>(v);
 }
 
-// One element of an int32/int64 index tensor (the Python side accepts both).
+// One element of an int32/int64 index tensor (the Python side accepts both); default-constructed: no
+// tensor (an absent optional one), never read.
 struct IndexView {
   const int32_t* p32 = nullptr;
   const int64_t* p64 = nullptr;
+  IndexView() = default;
   explicit IndexView(const at::Tensor& t) {
     if (t.scalar_type() == at::kInt) {
       p32 = t.data_ptr<int32_t>();

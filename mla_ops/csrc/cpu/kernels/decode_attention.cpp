@@ -1,13 +1,16 @@
-// mla.mla_decode_attention and mla.sparse_mla_attention on CPU: absorbed MQA over the paged latent
-// cache.
+// mla.mla_decode_attention, mla.sparse_mla_attention and mla.shared_kv_attention on CPU: multi-query
+// attention of every head over rows cached in paged pools.
 //
 //   scores[b, n, t] = scale * (q_latent[b, n] . latent[b, t] + q_pe[b, n] . k_pe[b, t])
 //   o_latent[b, n]  = softmax_t(scores[b, n, :seq_lens[b]]) . latent[b, :seq_lens[b]]
 //
 // Decode attends to positions 0 .. seq_lens[b) of sequence b; sparse attention (one row per query
 // token) to the positions its topk_indices row lists (-1 skipped, a position listed twice counted
-// twice). Both are the same kernel over a row's list of entries (`DecodePositions` /
-// `SparsePositions` say where entry t is cached), so everything below serves both.
+// twice); shared-KV attention (DeepSeek-V4: one row per token that is key and value, so latent = the
+// whole row and R = 0) to its window positions, then the compressed entries it sees from a second pool,
+// with per-head sinks in the softmax denominator and fp32 weights (`Geometry::split_probs`). All three
+// are the same kernel over a row's list of entries (`DecodePositions` / `SparsePositions` /
+// `SharedKvPositions` say where entry t is cached), so everything below serves all of them.
 //
 // Every head attends over the same cached rows, so the kernel is organised around the cache:
 // each work unit owns one piece of one sequence's context and ALL heads (head folding: a cached
@@ -30,8 +33,9 @@
 //    accumulation through vdpbf16ps. The score dots read the cached rows in place (the reduction
 //    runs along the row, lanes over its dims); for P . latent the tile's rows are interleaved in
 //    token pairs once (the VNNI layout) and the probabilities are rounded to bf16, the rounding the
-//    reference kernel applies too. The softmax denominator sums the rounded probabilities, so
-//    numerator and denominator share the same weights.
+//    MLA ops' reference kernels apply too. The softmax denominator sums the rounded probabilities, so
+//    numerator and denominator share the same weights. Shared-KV attention keeps them fp32: each is
+//    split into two bf16 parts, both multiplied (`Geometry::split_probs`; AMX likewise).
 //  * fp32 FMA (every build, every dtype; `F32Engine`): rows converted to fp32 once per tile (fp32
 //    caches read in place), register-blocked fp32 FMA micro-kernels. On AVX2 (and the portable
 //    build) F32LaneTiles puts the heads in the vector lanes: S^T = rows . Q^T and
@@ -41,11 +45,13 @@
 //    F32Tiles keeps the lanes over the dims (one accumulator per (head, token), a 4 x 4 block reduced
 //    at once by a transpose-and-add tree), which its 32 registers of 16 lanes make cheap in loads.
 //
-// Positions at or past a row's length (decode) or not listed (sparse) are never read, so whatever
-// sits in unattended slots (NaN/inf included) cannot reach the output. The engines that read rows
-// in place prefetch the next tile's rows while a tile is computed (a sequence's blocks are
-// scattered over the pool).
+// Positions at or past a row's length (decode), not listed (sparse), outside the window or not
+// visible (shared KV) are never read, so whatever sits in unattended slots (NaN/inf included) cannot
+// reach the output. The engines that read rows in place prefetch the next tile's rows while a tile
+// is computed (a sequence's blocks are scattered over the pool). Rows run in groups whose fp32
+// partial results stay bounded (`attend`).
 #include "amx.h"
+#include "../checks.h"
 #include "kernels.h"
 #include "score_blocks.h"
 
@@ -119,6 +125,11 @@ Counts attended_lengths(const IndexView& lens, const IndexView& table, int64_t B
 struct Geometry {
   int64_t N, L, R;
   int64_t ks3, vs3;  // element strides of a cached row
+  // The weights of P . latent kept to fp32 precision (the shared-KV op's "fp32 math, rounded once"): the bf16
+  // engines then split each fp32 weight p into bf16 parts hi = bf16(p) and lo = bf16(p - hi) and accumulate
+  // hi * row + lo * row (p to within 2^-16 of itself, at twice the cost of P . latent); otherwise they round p to
+  // bf16 (the MLA ops' reference does too).
+  bool split_probs = false;
 };
 
 // Who holds an UninitFloats: at most one of each kind is alive on a thread at a time (the calling thread's partials,
@@ -668,10 +679,12 @@ MLA_TARGET_BF16 inline void bf16_score_block(const at::BFloat16* const* ql, cons
 
 // acc[h][d0 : d0 + 16*NC] += sum_j dot(p_pair[h][j], packed[j][d]) over token pairs j, NH heads.
 // packed[j] holds rows 2j and 2j+1 interleaved (dword d = (row_2j[d], row_2j+1[d])); p_pair[h][j]
-// is the matching pair of bf16 probabilities.
-template <int NH, int NC>
-MLA_TARGET_BF16 inline void bf16_acc_block(float* const* o, const int32_t* const* p_pair, const uint16_t* packed,
-                                           int64_t pairs, int64_t L, int64_t d0) {
+// is the matching pair of bf16 probabilities. kSplit: p_pair holds their hi parts and lo_pair[h][j] the lo
+// parts (Geometry::split_probs), both accumulated.
+template <int NH, int NC, bool kSplit>
+MLA_TARGET_BF16 inline void bf16_acc_block(float* const* o, const int32_t* const* p_pair,
+                                           const int32_t* const* lo_pair, const uint16_t* packed, int64_t pairs,
+                                           int64_t L, int64_t d0) {
   __m512 acc[NH][NC];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_loadu_ps(o[h] + d0 + 16 * c);
@@ -685,6 +698,10 @@ MLA_TARGET_BF16 inline void bf16_acc_block(float* const* o, const int32_t* const
     for (int h = 0; h < NH; ++h) {
       const __m512i w = _mm512_set1_epi32(p_pair[h][j]);
       for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], (__m512bh)w, (__m512bh)v[c]);
+      if constexpr (kSplit) {
+        const __m512i w_lo = _mm512_set1_epi32(lo_pair[h][j]);
+        for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], (__m512bh)w_lo, (__m512bh)v[c]);
+      }
     }
   }
   for (int h = 0; h < NH; ++h)
@@ -724,6 +741,23 @@ MLA_TARGET_BF16 inline void probs_to_bf16(const float* src, int64_t rows, int64_
   }
 }
 
+// hi[n][i] = bf16(src[n][i]) and lo[n][i] = bf16(src[n][i] - hi[n][i]) for n < rows, i < stride (a multiple
+// of 32): each fp32 probability as the sum of two bf16 values to within 2^-16 of itself (the difference is
+// exact in fp32; Geometry::split_probs).
+MLA_TARGET_BF16 inline void probs_split_bf16(const float* src, int64_t rows, int64_t stride, at::BFloat16* hi,
+                                             at::BFloat16* lo) {
+  for (int64_t i = 0; i < rows * stride; i += 32) {
+    const __m512 a = _mm512_loadu_ps(src + i), b = _mm512_loadu_ps(src + i + 16);
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+    // bf16 -> fp32: the bf16 bits are the high half of the fp32 ones
+    const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    const __m512 hb =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    _mm512_storeu_si512(hi + i, h);
+    _mm512_storeu_si512(lo + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+  }
+}
+
 // bf16 tile engine (one per thread). Needs unit-stride cached rows and L, R multiples of 32;
 // queries are the bf16 inputs themselves [N, L] / [N, R] (the scale is applied to the fp32 scores).
 class Bf16DotTiles {
@@ -739,7 +773,11 @@ class Bf16DotTiles {
   }
 
   explicit Bf16DotTiles(const Geometry& g)
-      : g_(g), packed_(kTile * g.L), probs16_(g.N * kTile), zeros_(std::max(g.L, g.R), at::BFloat16(0.f)) {}
+      : g_(g),
+        packed_(kTile * g.L),
+        probs16_(g.N * kTile),
+        probs_lo_(g.split_probs ? g.N * kTile : 0),
+        zeros_(std::max(g.L, g.R), at::BFloat16(0.f)) {}
 
   void stage(int64_t i, const at::BFloat16* latent, const at::BFloat16* k_pe) {
     lat_[i] = latent;
@@ -768,14 +806,27 @@ class Bf16DotTiles {
     }
   }
 
-  // probs are already bf16 values (kRoundsProbs), zero past nt.
+  // probs are already bf16 values (kRoundsProbs) unless split_probs, zero past nt.
   MLA_TARGET_BF16 void accumulate(const float* probs, int64_t nt, float* acc) {
-    const int64_t N = g_.N, L = g_.L;
     const int64_t pairs = (nt + 1) / 2;
     if (nt % 2 == 1) lat_[nt] = zeros_.data();  // the odd token's partner: weight 0 and finite
-    pack_token_pairs(lat_, pairs, L, packed_.data());
-    probs_to_bf16(probs, N, kTile, probs16_.data());
+    pack_token_pairs(lat_, pairs, g_.L, packed_.data());
+    if (g_.split_probs) {
+      probs_split_bf16(probs, g_.N, kTile, probs16_.data(), probs_lo_.data());
+      accumulate_pairs<true>(pairs, acc);
+    } else {
+      probs_to_bf16(probs, g_.N, kTile, probs16_.data());
+      accumulate_pairs<false>(pairs, acc);
+    }
+  }
+
+ private:
+  // acc[n] += the packed tile's token pairs weighted by probs16_ (and probs_lo_: kSplit).
+  template <bool kSplit>
+  MLA_TARGET_BF16 void accumulate_pairs(int64_t pairs, float* acc) {
+    const int64_t N = g_.N, L = g_.L;
     const int32_t* pp = reinterpret_cast<const int32_t*>(probs16_.data());
+    const int32_t* pl = reinterpret_cast<const int32_t*>(probs_lo_.data());
     // Dim blocks outer: the block's slice of the packed tile (pairs x 256 bytes) stays in L1 for all
     // heads. L % 32 == 0, so the blocks are 64 dims, then at most one of 32.
     for (int64_t d = 0; d < L;) {
@@ -785,29 +836,31 @@ class Bf16DotTiles {
         float* oh[4] = {acc + n * L, acc + (n + 1) * L, acc + (n + 2) * L, acc + (n + 3) * L};
         const int32_t* ph[4] = {pp + n * kTile / 2, pp + (n + 1) * kTile / 2, pp + (n + 2) * kTile / 2,
                                 pp + (n + 3) * kTile / 2};
+        const int32_t* pl4[4] = {pl + n * kTile / 2, pl + (n + 1) * kTile / 2, pl + (n + 2) * kTile / 2,
+                                 pl + (n + 3) * kTile / 2};
         if (wide) {
-          bf16_acc_block<4, 4>(oh, ph, packed_.data(), pairs, L, d);
+          bf16_acc_block<4, 4, kSplit>(oh, ph, pl4, packed_.data(), pairs, L, d);
         } else {
-          bf16_acc_block<4, 2>(oh, ph, packed_.data(), pairs, L, d);
+          bf16_acc_block<4, 2, kSplit>(oh, ph, pl4, packed_.data(), pairs, L, d);
         }
       }
       for (; n < N; ++n) {
         float* oh[1] = {acc + n * L};
         const int32_t* ph[1] = {pp + n * kTile / 2};
+        const int32_t* pl1[1] = {pl + n * kTile / 2};
         if (wide) {
-          bf16_acc_block<1, 4>(oh, ph, packed_.data(), pairs, L, d);
+          bf16_acc_block<1, 4, kSplit>(oh, ph, pl1, packed_.data(), pairs, L, d);
         } else {
-          bf16_acc_block<1, 2>(oh, ph, packed_.data(), pairs, L, d);
+          bf16_acc_block<1, 2, kSplit>(oh, ph, pl1, packed_.data(), pairs, L, d);
         }
       }
       d += wide ? 64 : 32;
     }
   }
 
- private:
   Geometry g_;
   std::vector<uint16_t> packed_;
-  std::vector<at::BFloat16> probs16_, zeros_;
+  std::vector<at::BFloat16> probs16_, probs_lo_, zeros_;
   const at::BFloat16* lat_[kTile];
   const at::BFloat16* pe_[kTile];
 };
@@ -845,7 +898,8 @@ class AmxTiles {
         rows_(kTile * D_),
         st_(kTile * NP_),
         packed_(kTile * g.L),
-        probs16_(NP_ * kTile, at::BFloat16(0.f)) {}
+        probs16_(NP_ * kTile, at::BFloat16(0.f)),
+        probs_lo_(g.split_probs ? NP_ * kTile : 0, at::BFloat16(0.f)) {}
   ~AmxTiles() { at::native::cpublas::brgemm_release(); }
   AmxTiles(const AmxTiles&) = delete;
   AmxTiles& operator=(const AmxTiles&) = delete;
@@ -888,8 +942,8 @@ class AmxTiles {
     }
   }
 
-  // acc[n] += sum_t probs[n * kTile + t] * latent[t]; probs are bf16 values, zero past nt (rows past
-  // nt exist only in the copied tile, as zero rows).
+  // acc[n] += sum_t probs[n * kTile + t] * latent[t]; probs are bf16 values unless split_probs, zero past
+  // nt (rows past nt exist only in the copied tile, as zero rows).
   void accumulate(const float* probs, int64_t nt, float* acc) {
     const int64_t N = g_.N, L = g_.L;
     const int64_t K = (nt + kRows - 1) / kRows * kRows;  // even: whole token pairs
@@ -897,9 +951,14 @@ class AmxTiles {
       for (int64_t i = 0; i < K; ++i) lat_[i] = rows_.data() + i * D_;
     }
     pack_token_pairs(lat_, K / 2, L, packed_.data());
-    probs_to_bf16(probs, N, kTile, probs16_.data());  // padded heads keep their zero rows
-    at::native::cpublas::brgemm(N, L, K, kTile, L, L, true, probs16_.data(),
-                                reinterpret_cast<const at::BFloat16*>(packed_.data()), acc);
+    const auto* packed = reinterpret_cast<const at::BFloat16*>(packed_.data());
+    if (g_.split_probs) {
+      probs_split_bf16(probs, N, kTile, probs16_.data(), probs_lo_.data());
+      at::native::cpublas::brgemm(N, L, K, kTile, L, L, true, probs_lo_.data(), packed, acc);
+    } else {
+      probs_to_bf16(probs, N, kTile, probs16_.data());  // padded heads keep their zero rows
+    }
+    at::native::cpublas::brgemm(N, L, K, kTile, L, L, true, probs16_.data(), packed, acc);
   }
 
  private:
@@ -917,7 +976,7 @@ class AmxTiles {
   std::vector<at::BFloat16> q_, rows_;
   std::vector<float> st_;
   std::vector<uint16_t> packed_;
-  std::vector<at::BFloat16> probs16_;
+  std::vector<at::BFloat16> probs16_, probs_lo_;
   const at::BFloat16* packed_ql_ = nullptr;
   const at::BFloat16* packed_qp_ = nullptr;
   bool rows_are_copied_ = false;
@@ -932,11 +991,13 @@ class AmxTiles {
 
 // Where the entries a query row attends to are cached. Decode: entry t of row b is position t of
 // sequence b (runs of consecutive positions share a block). Sparse: entry e of token t is the
-// position its index list holds there, -1 none. `slot` returns the block id of an entry (an id
-// outside [0, NB) is skipped, never read), its offset in the block and how many consecutive
-// entries (at most `max_run`) continue in that block.
+// position its index list holds there, -1 none. Shared KV: the token's window positions, then its
+// compressed entries, from a second pool. `slot` returns the pool (`Pools`) and block id of an entry
+// (an id outside [0, the pool's blocks) is skipped, never read), its offset in the block and how many
+// consecutive entries (at most `max_run`) continue in that block.
 struct Slot {
   int64_t id, offset, run;
+  int pool = 0;
 };
 
 struct DecodePositions {
@@ -959,8 +1020,57 @@ struct SparsePositions {
   }
 };
 
+// The shared-KV op's entries of one query token: its window positions [window_first, window_first +
+// window) of its request's kv pool, then `compressed` entries of the compressed pool (all it sees,
+// ascending, without an index list; else the first `compressed` entries of its index row).
+struct SharedKvToken {
+  int64_t request, window_first, window, compressed;
+};
+
+struct SharedKvPositions {
+  IndexView table, compressed_table, indices;  // indices: none without an index list
+  int64_t maxb, bs, maxc, bsc;
+  int64_t width;  // entries per index row (topk_indices.size(1)); 0 without an index list
+  const SharedKvToken* tokens;
+  Slot slot(int64_t row, int64_t entry, int64_t max_run) const {
+    const SharedKvToken& token = tokens[row];
+    if (entry < token.window) {  // validated: a position < seq_len <= maxb * bs, in a checked block
+      const int64_t position = token.window_first + entry, off = position % bs;
+      return {table[token.request * maxb + position / bs], off,
+              std::min({bs - off, max_run, token.window - entry}), 0};
+    }
+    entry -= token.window;
+    if (width > 0) {
+      const int64_t index = indices[row * width + entry];  // validated: -1 or a visible entry
+      if (index < 0) return {-1, 0, 1, 1};
+      return {compressed_table[token.request * maxc + index / bsc], index % bsc, 1, 1};
+    }
+    const int64_t off = entry % bsc;  // entry < the visible entries <= maxc * bsc
+    return {compressed_table[token.request * maxc + entry / bsc], off, std::min(bsc - off, max_run), 1};
+  }
+};
+
 struct Unit {
   int64_t row, t0, t1;  // query row, entries [t0, t1)
+};
+
+// The paged pools a call reads: pool 0 for every op, and pool 1, the shared-KV op's compressed entries.
+// A cached row is its latent part in `key` [NB, bs, 1, L] and its rope part in `value` [NB, bs, 1, R];
+// value nullptr: the shared-KV op's rows, read whole as the latent (R = 0).
+struct CachePool {
+  const at::Tensor* key;
+  const at::Tensor* value;
+};
+struct Pools {
+  CachePool pool[2];
+  int count;
+};
+
+// What a call adds to plain attention: per-head sink logits in the softmax denominator, fp32 [N] (none:
+// nullptr), and the fp32 weights of Geometry::split_probs.
+struct AttentionExtras {
+  const float* sinks = nullptr;
+  bool split_probs = false;
 };
 
 // Rounds fp32 values to the nearest bf16 (ties to even), kept in fp32.
@@ -1024,23 +1134,35 @@ constexpr int64_t kMinPieceEntries = 16;
 
 // Attention of every query row over its `entries[row]` entries (where they are cached: `positions`).
 template <typename T, typename Tiles, typename Positions>
-void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
-                      const at::Tensor& value_cache, const Positions& positions, c10::ArrayRef<int64_t> entries,
-                      double softmax_scale, at::Tensor& out) {
+void attention_kernel(const at::Tensor& q_latent, const at::Tensor* q_pe, const Geometry& geo, const Pools& pools,
+                      const Positions& positions, c10::ArrayRef<int64_t> entries, double softmax_scale,
+                      const AttentionExtras& extras, at::Tensor& out) {
   constexpr int64_t kTile = Tiles::kTile;
   using Query = typename Tiles::Query;
-  const int64_t B = q_latent.size(0), N = q_latent.size(1), L = q_latent.size(2), R = q_pe.size(2);
-  const int64_t NB = key_cache.size(0);
-  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1);
-  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1);
-  const Geometry geo{N, L, R, key_cache.stride(3), value_cache.stride(3)};
-  const T* kc = key_cache.const_data_ptr<T>();
-  const T* vc = value_cache.const_data_ptr<T>();
+  const int64_t B = q_latent.size(0), N = geo.N, L = geo.L, R = geo.R;
+  // Each pool's rows as the engines read them: row `offset` of block `id` of pool `k` starts at
+  // kc[k] + id * ks0[k] + offset * ks1[k] (latent) and vc[k] + ... (rope; R = 0: just past the latent part,
+  // never read, where the AMX engine sees one [L + 0] row).
+  const T* kc[2] = {nullptr, nullptr};
+  const T* vc[2] = {nullptr, nullptr};
+  int64_t NB[2] = {0, 0}, ks0[2] = {0, 0}, ks1[2] = {0, 0}, vs0[2] = {0, 0}, vs1[2] = {0, 0};
+  for (int k = 0; k < pools.count; ++k) {
+    const at::Tensor& key = *pools.pool[k].key;
+    const at::Tensor* value = pools.pool[k].value;
+    kc[k] = key.const_data_ptr<T>();
+    NB[k] = key.size(0);
+    ks0[k] = key.stride(0);
+    ks1[k] = key.stride(1);
+    vc[k] = value != nullptr ? value->const_data_ptr<T>() : kc[k] + L * key.stride(3);
+    vs0[k] = value != nullptr ? value->stride(0) : ks0[k];
+    vs1[k] = value != nullptr ? value->stride(1) : ks1[k];
+  }
   const float scale = static_cast<float>(softmax_scale);
 
   // Queries in the engine's input type, contiguous: the inputs themselves where they already are,
-  // else converted with the partials below (B*N*(L+R) values: negligible).
-  const at::Tensor qlc = q_latent.contiguous(), qpc = q_pe.contiguous();
+  // else converted with the partials below (B*N*(L+R) values: negligible). Without a rope part the
+  // rope queries point at the latent ones (R = 0: never read).
+  const at::Tensor qlc = q_latent.contiguous(), qpc = q_pe != nullptr ? q_pe->contiguous() : qlc;
   const Query* ql_all;
   const Query* qp_all;
 
@@ -1115,10 +1237,11 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
     for (int64_t t = t0; t < t1;) {
       const Slot s = positions.slot(row, t, t1 - t);  // a run of one block: one slot lookup
       t += s.run;
-      if (s.id < 0 || s.id >= NB) continue;
+      const int k = s.pool;
+      if (s.id < 0 || s.id >= NB[k]) continue;
       for (int64_t r = 0; r < s.run; ++r) {
-        const char* kp = reinterpret_cast<const char*>(kc + s.id * ks0 + (s.offset + r) * ks1);
-        const char* vp = reinterpret_cast<const char*>(vc + s.id * vs0 + (s.offset + r) * vs1);
+        const char* kp = reinterpret_cast<const char*>(kc[k] + s.id * ks0[k] + (s.offset + r) * ks1[k]);
+        const char* vp = reinterpret_cast<const char*>(vc[k] + s.id * vs0[k] + (s.offset + r) * vs1[k]);
         for (int64_t i = 0; i < lat_bytes; i += 64) __builtin_prefetch(kp + i, 0, 3);
         for (int64_t i = 0; i < pe_bytes; i += 64) __builtin_prefetch(vp + i, 0, 3);
       }
@@ -1153,10 +1276,11 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
         int64_t nt = 0;
         while (nt < kTile && t < unit.t1) {
           const Slot s = positions.slot(unit.row, t, std::min(unit.t1 - t, kTile - nt));
-          if (s.id >= 0 && s.id < NB) {
-            const T* kp = kc + s.id * ks0 + s.offset * ks1;
-            const T* vp = vc + s.id * vs0 + s.offset * vs1;
-            for (int64_t i = 0; i < s.run; ++i) tiles.stage(nt + i, kp + i * ks1, vp + i * vs1);
+          const int k = s.pool;
+          if (s.id >= 0 && s.id < NB[k]) {
+            const T* kp = kc[k] + s.id * ks0[k] + s.offset * ks1[k];
+            const T* vp = vc[k] + s.id * vs0[k] + s.offset * vs1[k];
+            for (int64_t i = 0; i < s.run; ++i) tiles.stage(nt + i, kp + i * ks1[k], vp + i * vs1[k]);
             nt += s.run;
           }
           t += s.run;
@@ -1211,7 +1335,9 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
             fVec vsum(0.f);
             for (int64_t i = 0; i < kTile; i += W) {
               fVec e = (fVec::loadu(sc + i) - mv).exp_u20();
-              if constexpr (Tiles::kRoundsProbs) e = round_to_bf16(e);
+              if constexpr (Tiles::kRoundsProbs) {
+                if (!geo.split_probs) e = round_to_bf16(e);
+              }
               if (i + W > nt) e = fVec::set(fVec(0.f), e, std::max<int64_t>(0, nt - i));
               e.store(pr + i);
               vsum = vsum + e;
@@ -1236,22 +1362,28 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
 
   // Merge the units of every (row, head) and write the output dtype; rows without any attended
   // entry (length 0, nothing listed, or every block skipped) get zeros, heads with a NaN or +inf score NaN.
+  // A sink s (extras.sinks) joins the denominator: with M = max(the scores' max, s), each unit's terms are
+  // weighted exp(m_u - M) and exp(s - M) is added to the denominator (without sinks s = -inf adds 0).
   T* o = out.data_ptr<T>();
   at::parallel_for(0, B * N, 16, [&](int64_t begin, int64_t end) {
     std::unique_ptr<float[]> merged;  // the general merge's sums, allocated by the first row that needs them
     constexpr int64_t W = fVec::size();
     for (int64_t bn = begin; bn < end; ++bn) {
       const int64_t b = bn / N, n = bn % N;
+      const float sink = extras.sinks != nullptr ? extras.sinks[n] : kNegInf;
       T* dst = o + bn * L;
       if (first_unit[b + 1] - first_unit[b] == 1) {
-        // One unit with weights (l > 0) and a finite max: the general merge below gives it weight exp(0) = 1 and
-        // denominator 0 + l, and its sum adds the unit to zeros, so the output is (acc + 0) * (1 / l), computed here
-        // without the merge buffer; every other case (a NaN or infinite max, nothing weighted) takes the general path.
+        // One unit with weights (l > 0), a finite max and a finite sink or none: the general merge below gives it
+        // weight w = exp(m - M) and denominator w * l + exp(s - M), and its sum adds the unit to zeros, so the
+        // output is (acc + 0) * (w / (w * l + exp(s - M))) (without a sink: (acc + 0) * (1 / l)), computed here
+        // without the merge buffer; every other case (a NaN or infinite max or sink, nothing weighted) takes the
+        // general path.
         const int64_t u = first_unit[b];
         const float lu = l_all[u * N + n], mu = m_all[u * N + n];
-        if (lu > 0.f && std::isfinite(mu)) {
+        if (lu > 0.f && std::isfinite(mu) && (sink == kNegInf || std::isfinite(sink))) {
           const float* src = acc_all + (u * N + n) * L;
-          const float inv = 1.f / lu;
+          const float top = std::max(mu, sink), w = std::exp(mu - top);
+          const float inv = w / (w * lu + std::exp(sink - top));
           const fVec iv(inv), zero(0.f);
           int64_t d = 0;
           for (; d + W <= L; d += W) store_from_f32<T>(dst + d, (fVec::loadu(src + d) + zero) * iv);
@@ -1261,8 +1393,9 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
       }
       // A NaN or +inf score in any unit (a NaN running max or sum) makes the head's output NaN, as the
       // reference's softmax does; units with nothing weighted (sum 0) take no part.
+      // A NaN or +inf sink makes it NaN too (exp(s - M) is then NaN).
       float mx = kNegInf;
-      bool not_a_number = false;
+      bool not_a_number = std::isnan(sink) || sink == std::numeric_limits<float>::infinity();
       for (int64_t u = first_unit[b]; u < first_unit[b + 1]; ++u) {
         const float lu = l_all[u * N + n], mu = m_all[u * N + n];
         not_a_number = not_a_number || std::isnan(lu) || std::isnan(mu);
@@ -1276,10 +1409,11 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
       std::fill_n(merged.get(), L, 0.f);
       float denom = 0.f;
       if (mx != kNegInf) {
+        const float top = std::max(mx, sink);
         for (int64_t u = first_unit[b]; u < first_unit[b + 1]; ++u) {
           const float lu = l_all[u * N + n];
           if (!(lu > 0.f)) continue;
-          const float w = std::exp(m_all[u * N + n] - mx);
+          const float w = std::exp(m_all[u * N + n] - top);
           denom += w * lu;
           const float* src = acc_all + (u * N + n) * L;
           const fVec wv(w);
@@ -1288,6 +1422,7 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor& q_pe, const 
             at::vec::fmadd(wv, fVec::loadu(src + d), fVec::loadu(merged.get() + d)).store(merged.get() + d);
           for (; d < L; ++d) merged[d] += w * src[d];
         }
+        denom += std::exp(sink - top);  // 0 without a sink
       }
       const float inv = denom > 0.f ? 1.f / denom : 0.f;
       const fVec iv(inv);
@@ -1317,38 +1452,74 @@ Geometry geometry_of(const at::Tensor& q_latent, const at::Tensor& key_cache, co
   return {q_latent.size(1), q_latent.size(2), value_cache.size(3), key_cache.stride(3), value_cache.stride(3)};
 }
 
-// The output of one attention call: the dtype dispatch and the tile engine.
+// The output of one attention call: the dtype dispatch and the tile engine. q_pe nullptr: no rope part
+// (R = 0, the shared-KV op, whose pools have no value tensor).
+// Query rows [first, ..) of a call as rows 0, 1, .. (a group of rows run on its own; `attend`).
 template <typename Positions>
-at::Tensor attend(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
-                  const at::Tensor& value_cache, const Positions& positions, c10::ArrayRef<int64_t> entries,
-                  double softmax_scale) {
+struct RowsFrom {
+  const Positions& positions;
+  int64_t first;
+  Slot slot(int64_t row, int64_t entry, int64_t max_run) const { return positions.slot(first + row, entry, max_run); }
+};
+
+// The fp32 partial results a group of rows may hold at once: a unit's are N * (L + 2) floats, and a row
+// has at least one unit, so a long prefill of many heads (DeepSeek-V4: 64 x 512 floats a row) runs in
+// groups of rows rather than holding [T, N, L] fp32 partials (8.6 GB for 64k tokens).
+constexpr int64_t kGroupPartialFloats = int64_t{1} << 24;  // 64 MiB
+
+template <typename Positions>
+at::Tensor attend(const at::Tensor& q_latent, const at::Tensor* q_pe, const Pools& pools, const Positions& positions,
+                  c10::ArrayRef<int64_t> entries, double softmax_scale, const AttentionExtras& extras = {}) {
   at::Tensor out = new_cpu_tensor(q_latent.sizes(), q_latent.scalar_type());
   if (q_latent.size(0) == 0 || out.numel() == 0) return out;
-  [[maybe_unused]] const Engine engine = choose_engine(q_latent.scalar_type(), geometry_of(q_latent, key_cache, value_cache));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_latent.scalar_type(), "mla_attention", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "mla native attention kernels: float64 is served by the reference kernel");
-    } else {
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+  const at::Tensor& key = *pools.pool[0].key;
+  const at::Tensor* value = pools.pool[0].value;
+  Geometry geo{q_latent.size(1), q_latent.size(2), q_pe != nullptr ? q_pe->size(2) : 0, key.stride(3),
+               value != nullptr ? value->stride(3) : 1};
+  geo.split_probs = extras.split_probs;
+  [[maybe_unused]] const Engine engine = choose_engine(q_latent.scalar_type(), geo);
+  // rows [0, rows) of q and out with where their entries are cached
+  auto run = [&](const at::Tensor& q_rows, const at::Tensor* q_pe_rows, const auto& rows_positions,
+                 c10::ArrayRef<int64_t> rows_entries, at::Tensor& out_rows) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_latent.scalar_type(), "mla_attention", [&] {
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        TORCH_CHECK(false, "mla native attention kernels: float64 is served by the reference kernel");
+      } else {
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
 #if defined(MLA_AMX)
-        if (engine == Engine::kAmx) {
-          attention_kernel<scalar_t, AmxTiles>(q_latent, q_pe, key_cache, value_cache, positions, entries,
-                                               softmax_scale, out);
-          return;
-        }
+          if (engine == Engine::kAmx) {
+            attention_kernel<scalar_t, AmxTiles>(q_rows, q_pe_rows, geo, pools, rows_positions, rows_entries,
+                                                 softmax_scale, extras, out_rows);
+            return;
+          }
 #endif
 #if defined(MLA_BF16_DOT)
-        if (engine == Engine::kBf16Dot) {
-          attention_kernel<scalar_t, Bf16DotTiles>(q_latent, q_pe, key_cache, value_cache, positions, entries,
-                                                   softmax_scale, out);
-          return;
-        }
+          if (engine == Engine::kBf16Dot) {
+            attention_kernel<scalar_t, Bf16DotTiles>(q_rows, q_pe_rows, geo, pools, rows_positions, rows_entries,
+                                                     softmax_scale, extras, out_rows);
+            return;
+          }
 #endif
+        }
+        attention_kernel<scalar_t, F32Engine<scalar_t>>(q_rows, q_pe_rows, geo, pools, rows_positions, rows_entries,
+                                                       softmax_scale, extras, out_rows);
       }
-      attention_kernel<scalar_t, F32Engine<scalar_t>>(q_latent, q_pe, key_cache, value_cache, positions, entries,
-                                                     softmax_scale, out);
-    }
-  });
+    });
+  };
+  const int64_t rows = q_latent.size(0);
+  const int64_t group = std::max<int64_t>(1, kGroupPartialFloats / (geo.N * (geo.L + 2)));
+  if (rows <= group) {
+    run(q_latent, q_pe, positions, entries, out);
+    return out;
+  }
+  for (int64_t first = 0; first < rows; first += group) {
+    const int64_t count = std::min(group, rows - first);
+    const at::Tensor q_rows = q_latent.narrow(0, first, count);
+    const at::Tensor q_pe_rows = q_pe != nullptr ? q_pe->narrow(0, first, count) : at::Tensor();
+    at::Tensor out_rows = out.narrow(0, first, count);  // contiguous rows of out
+    run(q_rows, q_pe != nullptr ? &q_pe_rows : nullptr, RowsFrom<Positions>{positions, first},
+        entries.slice(first, count), out_rows);
+  }
   return out;
 }
 
@@ -1368,6 +1539,122 @@ Counts check_index_values(const IndexView& indices, int64_t num_tokens, int64_t 
     }
   }
   return request;
+}
+
+constexpr std::string_view kSharedKv = "shared_kv_attention";
+
+// mla_ops/ops/shared_kv_attention.py: _check_read_block_ids. Every block id row b of `table` [B, maxb] reads
+// (columns[b].first <= j < columns[b].second) lies in [0, num_blocks); the first bad one row-major raises.
+void check_read_block_ids(std::string_view name, const IndexView& table, int64_t maxb,
+                          c10::ArrayRef<std::pair<int64_t, int64_t>> columns, int64_t num_blocks) {
+  for (size_t b = 0; b < columns.size(); ++b) {
+    for (int64_t j = columns[b].first; j < columns[b].second; ++j) {
+      const int64_t id = table[b * maxb + j];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, prefix(kSharedKv), name, "[", b, ", ", j, "] = ", id,
+                        " is used by sequence ", b, " but is not a block id in [0, ", num_blocks, ")");
+    }
+  }
+}
+
+// mla_ops/ops/shared_kv_attention.py: check_shared_kv_values, the same checks in the same order with the same
+// messages (ValueError); every length is checked before it is used in a product, and the differences below
+// cannot wrap (0 <= q_b <= n, 1 <= W). Returns each query token's entries (SharedKvToken).
+c10::SmallVector<SharedKvToken, 4> check_shared_kv_values(
+    int64_t num_tokens, const at::Tensor& kv_cache, const IndexView& table, int64_t maxb, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, int64_t window_size, const at::Tensor* compressed_cache,
+    const IndexView& compressed_table, int64_t maxc, int64_t ratio, const at::Tensor* topk_indices) {
+  const at::Tensor lens_t = seq_lens.contiguous(), starts_t = query_start_loc.contiguous();
+  const IndexView lens(lens_t), starts(starts_t);
+  const int64_t B = lens_t.size(0), bs = kv_cache.size(1);
+  TORCH_CHECK_VALUE(starts[0] == 0, prefix(kSharedKv), "query_start_loc must start at 0, got query_start_loc[0] = ",
+                    starts[0]);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(starts[b + 1] >= starts[b], prefix(kSharedKv),
+                      "query_start_loc must never decrease, but query_start_loc[", b + 1, "] = ", starts[b + 1],
+                      " < query_start_loc[", b, "] = ", starts[b]);
+  }
+  TORCH_CHECK_VALUE(starts[B] == num_tokens, prefix(kSharedKv), "query_start_loc[-1] = ", starts[B],
+                    " must equal the number of query tokens (", num_tokens, ")");
+  // 128 bits: a table's capacity must not wrap into an accepted length
+  const __int128 capacity = static_cast<__int128>(maxb) * bs;
+  const int64_t bsc = compressed_cache != nullptr ? compressed_cache->size(1) : 1;
+  const __int128 entry_capacity = static_cast<__int128>(maxc) * bsc;
+  SparseRequests requests(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens[b];
+    // from 0, never decreasing, ending at num_tokens: every entry is in [0, num_tokens], no overflow
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK_VALUE(n >= q_len, prefix(kSharedKv), "seq_lens[", b, "] = ", n, " is less than the request's ", q_len,
+                      " query tokens; seq_lens counts the cached tokens including the new ones (write them first)");
+    TORCH_CHECK_VALUE(n <= capacity, prefix(kSharedKv), "seq_lens[", b, "] = ", n, " needs ", n,
+                      " cached tokens, more than the block table's capacity (", maxb, " blocks x ", bs, ")");
+    if (compressed_cache != nullptr) {
+      TORCH_CHECK_VALUE(n / ratio <= entry_capacity, prefix(kSharedKv), "seq_lens[", b, "] = ", n, " needs ",
+                        n / ratio, " compressed entries (seq_lens // compress_ratio ", ratio,
+                        "), more than compressed_block_tables' capacity (", maxc, " blocks x ", bsc, ")");
+    }
+    requests[b] = {starts[b], q_len, n, n / ratio};
+  }
+  // the window rows read: from the first query token's window start to the last token
+  c10::SmallVector<std::pair<int64_t, int64_t>, 4> columns(B, {0, 0});
+  for (int64_t b = 0; b < B; ++b) {
+    const SparseRequest& r = requests[b];
+    if (r.num_queries > 0)
+      columns[b] = {std::max<int64_t>(0, r.seq_len - r.num_queries - window_size + 1) / bs,
+                    r.seq_len / bs + (r.seq_len % bs != 0)};
+  }
+  check_read_block_ids("block_tables", table, maxb, columns, kv_cache.size(0));
+
+  c10::SmallVector<SharedKvToken, 4> tokens(num_tokens);
+  for (int64_t b = 0; b < B; ++b) {
+    const SparseRequest& r = requests[b];
+    for (int64_t i = 0; i < r.num_queries; ++i) {
+      const int64_t p = r.seq_len - r.num_queries + i;
+      const int64_t first = std::max<int64_t>(0, p - window_size + 1);
+      tokens[r.first_token + i] = {b, first, p - first + 1, 0};
+    }
+  }
+  if (compressed_cache == nullptr) return tokens;
+  const int64_t NBc = compressed_cache->size(0);
+  if (topk_indices == nullptr) {  // every entry visible to the request's last token: w < seq_lens // m
+    for (int64_t b = 0; b < B; ++b) {
+      const SparseRequest& r = requests[b];
+      columns[b] = {0, r.num_queries > 0 ? r.entries / bsc + (r.entries % bsc != 0) : 0};
+    }
+    check_read_block_ids("compressed_block_tables", compressed_table, maxc, columns, NBc);
+    for (SharedKvToken& token : tokens) token.compressed = (token.window_first + token.window) / ratio;
+    return tokens;
+  }
+  // _check_listed_entries: every listed index -1 or an entry its token sees, then the blocks of the listed ones
+  const int64_t width = topk_indices->size(1);
+  for (SharedKvToken& token : tokens) token.compressed = width;
+  if (num_tokens == 0 || width == 0) return tokens;
+  const at::Tensor indices_t = topk_indices->contiguous();
+  const IndexView indices(indices_t);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const SharedKvToken& token = tokens[t];
+    const int64_t position = token.window_first + token.window - 1, visible = (position + 1) / ratio;
+    for (int64_t k = 0; k < width; ++k) {
+      const int64_t v = indices[t * width + k];
+      TORCH_CHECK_VALUE(v >= -1 && v < visible, prefix(kSharedKv), "topk_indices[", t, ", ", k, "] = ", v,
+                        " is neither -1 (none) nor a compressed entry token ", t, " sees (request ", token.request,
+                        ", position ", position, ": the entries w < (position + 1) // compress_ratio = ", visible,
+                        ")");
+    }
+  }
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t b = tokens[t].request;
+    for (int64_t k = 0; k < width; ++k) {
+      const int64_t w = indices[t * width + k];
+      if (w < 0) continue;
+      const int64_t j = w / bsc;  // w < visible <= seq_lens // m <= the compressed capacity: j < maxc
+      const int64_t id = compressed_table[b * maxc + j];
+      TORCH_CHECK_VALUE(id >= 0 && id < NBc, prefix(kSharedKv), "compressed_block_tables[", b, ", ", j, "] = ", id,
+                        " is used by sequence ", b, " (topk_indices[", t, ", ", k, "] = ", w,
+                        ") but is not a block id in [0, ", NBc, ")");
+    }
+  }
+  return tokens;
 }
 
 }  // namespace
@@ -1393,8 +1680,8 @@ at::Tensor mla_decode_attention(const at::Tensor& q_latent, const at::Tensor& q_
   const at::Tensor lens_t = seq_lens.contiguous();
   const Counts lens =
       attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs);
-  return attend(q_latent, q_pe, key_cache, value_cache, DecodePositions{IndexView(tables), tables.size(1), bs}, lens,
-                softmax_scale);
+  const Pools pools{{{&key_cache, &value_cache}}, 1};
+  return attend(q_latent, &q_pe, pools, DecodePositions{IndexView(tables), tables.size(1), bs}, lens, softmax_scale);
 }
 
 at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
@@ -1409,7 +1696,40 @@ at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_
   const IndexView indices(indices_t);
   const Counts request = check_index_values(indices, T, width, requests);
   const SparsePositions positions{IndexView(tables), indices, tables.size(1), bs, width, request.data()};
-  return attend(q_latent, q_pe, key_cache, value_cache, positions, Counts(T, width), softmax_scale);
+  const Pools pools{{{&key_cache, &value_cache}}, 1};
+  return attend(q_latent, &q_pe, pools, positions, Counts(T, width), softmax_scale);
+}
+
+at::Tensor shared_kv_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                               const std::optional<at::Tensor>& sinks, double softmax_scale, int64_t sliding_window,
+                               const std::optional<at::Tensor>& compressed_cache,
+                               const std::optional<at::Tensor>& compressed_block_tables, int64_t compress_ratio,
+                               const std::optional<at::Tensor>& topk_indices) {
+  const at::Tensor tables = block_tables.contiguous();
+  const bool compressed = compressed_cache.has_value();
+  const at::Tensor compressed_tables = compressed ? compressed_block_tables->contiguous() : at::Tensor();
+  const IndexView compressed_table = compressed ? IndexView(compressed_tables) : IndexView();
+  const int64_t maxc = compressed ? compressed_tables.size(1) : 0;
+  const at::Tensor* listed = compressed && topk_indices.has_value() ? &*topk_indices : nullptr;
+  const at::Tensor indices_t = listed != nullptr ? listed->contiguous() : at::Tensor();
+  const auto tokens = check_shared_kv_values(q.size(0), kv_cache, IndexView(tables), tables.size(1), seq_lens,
+                                             query_start_loc, sliding_window, compressed ? &*compressed_cache : nullptr,
+                                             compressed_table, maxc, compress_ratio, listed);
+  Counts entries(tokens.size());
+  for (size_t t = 0; t < tokens.size(); ++t) entries[t] = tokens[t].window + tokens[t].compressed;
+  const int64_t width = listed != nullptr ? indices_t.size(1) : 0;
+  const SharedKvPositions positions{IndexView(tables), compressed_table,
+                                    listed != nullptr ? IndexView(indices_t) : IndexView(),
+                                    tables.size(1), kv_cache.size(1), maxc,
+                                    compressed ? compressed_cache->size(1) : 1, width, tokens.data()};
+  Pools pools{{{&kv_cache, nullptr}}, 1};
+  if (compressed) pools = Pools{{{&kv_cache, nullptr}, {&*compressed_cache, nullptr}}, 2};
+  const at::Tensor sinks32 = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
+  AttentionExtras extras;
+  extras.sinks = sinks.has_value() ? sinks32.const_data_ptr<float>() : nullptr;
+  extras.split_probs = true;  // fp32 weights: the op rounds once
+  return attend(q, nullptr, pools, positions, entries, softmax_scale, extras);
 }
 
 }  // namespace CPU_CAPABILITY
@@ -1417,4 +1737,5 @@ at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_
 
 MLA_REGISTER_ISA_KERNEL(mla_decode_attention)
 MLA_REGISTER_ISA_KERNEL(sparse_mla_attention)
+MLA_REGISTER_ISA_KERNEL(shared_kv_attention)
 MLA_REGISTER_ISA_KERNEL(attention_engine)

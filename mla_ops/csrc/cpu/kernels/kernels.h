@@ -36,13 +36,30 @@ MLA_ISA_KERNEL(sparse_mla_attention,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const at::Tensor& topk_indices, double softmax_scale))
 
+// DeepSeek-V4's attention core: q [T, H, D]; kv_cache [NB, bs, 1, D], one row per token that is key and
+// value of every head; the request tensors of sparse MLA; sinks [H] (fp32 or q's dtype) or none;
+// compressed_cache [NBc, bsc, 1, D] with compressed_block_tables [B, maxc], or none. The token at position
+// p attends to its window rows max(0, p - sliding_window + 1) .. p and to the compressed entries it sees,
+// w < (p + 1) // compress_ratio: all of them, or those topk_indices [T, K] lists (-1 none). fp32 scores,
+// softmax (sinks in the denominator) and weights -> [T, H, D] in q's dtype. Raises ValueError (the
+// messages of the Python check_shared_kv_values) before computing anything.
+MLA_ISA_KERNEL(shared_kv_attention,
+               at::Tensor(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                          const std::optional<at::Tensor>& sinks, double softmax_scale, int64_t sliding_window,
+                          const std::optional<at::Tensor>& compressed_cache,
+                          const std::optional<at::Tensor>& compressed_block_tables, int64_t compress_ratio,
+                          const std::optional<at::Tensor>& topk_indices))
+
 // q [T, H, D], weights [T, H] (fp32 or q's dtype), k_cache [NB, bs, 1, D] (any strides) -> int32
-// [T, topk]: the positions of each token's topk best scores, best first (ties: lower position first;
-// NaN above every number), -1 past the p + 1 positions token t at position p sees.
+// [T, topk]: the entries of each token's topk best scores, best first (ties: lower entry first; NaN
+// above every number), -1 past the (p + 1) // compress_ratio entries token t at position p sees
+// (request b holds seq_lens[b] // compress_ratio; one per token for 1).
 MLA_ISA_KERNEL(lightning_indexer,
                at::Tensor(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          const at::Tensor& query_start_loc, int64_t topk, double softmax_scale))
+                          const at::Tensor& query_start_loc, int64_t topk, double softmax_scale,
+                          int64_t compress_ratio))
 
 // hidden [B, S, H] -> (k_nope [B, N, S, P], value [B, N, S, V], k_pe [B, 1, S, R]); bit-identical to
 // the reference kernel for the layouts reasons.cpp accepts.
@@ -98,18 +115,19 @@ MLA_ISA_KERNEL(attention_engine,
 inline namespace CPU_CAPABILITY {
 
 // A request's query tokens are rows [first_token, first_token + num_queries); it holds seq_len
-// cached tokens, its queries included.
+// cached tokens, its queries included, and `entries` = seq_len // compress_ratio cached entries.
 struct SparseRequest {
-  int64_t first_token, num_queries, seq_len;
+  int64_t first_token, num_queries, seq_len, entries;
 };
 // A call's requests: inline for a few (no heap allocation on a small call).
 using SparseRequests = c10::SmallVector<SparseRequest, 4>;
 
 // The Python check_request_values: the same checks in the same order, ValueError with its
-// messages (values near 2**63 included); returns the requests.
+// messages (values near 2**63 included); returns the requests. compress_ratio >= 1: tokens per cached
+// entry (the block table addresses entries).
 SparseRequests check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_blocks,
-                                    int64_t block_size);
+                                    int64_t block_size, int64_t compress_ratio = 1);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace mla_native

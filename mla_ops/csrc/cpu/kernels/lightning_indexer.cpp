@@ -1,6 +1,10 @@
-// mla.lightning_indexer on CPU: the top-k cached positions of every query token.
+// mla.lightning_indexer on CPU: the top-k cached entries of every query token.
 //
-//   score[t, j] = sum_h weights[t, h] * relu(softmax_scale * q[t, h] . k[j])    (fp32, j <= p_t)
+//   score[t, j] = sum_h weights[t, h] * relu(softmax_scale * q[t, h] . k[j])    (fp32, j < (p_t + 1) // m)
+//
+// With compress_ratio m = 1 the cache holds one key per token and j runs over positions 0..p_t; with
+// m > 1 it holds one entry per m tokens (DeepSeek-V4's compressed indexer keys) and the token at
+// position p sees the entries whose m tokens are all at or before p.
 //
 // Scoring is a GEMM of query rows (tokens x heads) against cached keys. Work items are (a tile of
 // up to kTileTokens query tokens of one request, a chunk of its context): a decode step (one token)
@@ -19,7 +23,7 @@
 // order is exactly the op's order: descending score, equal scores by ascending position (the
 // reference's stable sort). std::nth_element selects the first k keys, std::sort orders them.
 //
-// Only positions 0..p_t of a token's own request are read, all inside validated blocks.
+// Only entries 0..(p_t + 1) // m - 1 of a token's own request are read, all inside validated blocks.
 #include "amx.h"
 #include "../checks.h"
 #include "kernels.h"
@@ -39,7 +43,7 @@ inline namespace CPU_CAPABILITY {
 // mla_ops/ops/sparse_attention.py: check_request_values
 SparseRequests check_request_values(std::string_view op, int64_t num_tokens, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_blocks,
-                                    int64_t block_size) {
+                                    int64_t block_size, int64_t compress_ratio) {
   const at::Tensor tables_t = block_tables.contiguous(), lens_t = seq_lens.contiguous();
   const at::Tensor starts_t = query_start_loc.contiguous();
   const IndexView table(tables_t), lens(lens_t), starts(starts_t);
@@ -61,13 +65,20 @@ SparseRequests check_request_values(std::string_view op, int64_t num_tokens, con
     const int64_t q_len = starts[b + 1] - starts[b];
     TORCH_CHECK_VALUE(n >= q_len, prefix(op), "seq_lens[", b, "] = ", n, " is less than the request's ", q_len,
                       " query tokens; seq_lens counts the cached tokens including the new ones (write them first)");
-    TORCH_CHECK_VALUE(n <= capacity, prefix(op), "seq_lens[", b, "] = ", n, " exceeds the block table's capacity (",
-                      columns, " blocks x ", block_size, " tokens)");
-    requests[b] = {starts[b], q_len, n};
+    // n >= q_len >= 0: C++ division is Python's floor division here
+    const int64_t entries = n / compress_ratio;
+    if (entries > capacity) {
+      const std::string held = compress_ratio == 1 ? std::string("tokens")
+                                                   : "entries (seq_lens // compress_ratio " +
+                                                         std::to_string(compress_ratio) + ")";
+      TORCH_CHECK_VALUE(false, prefix(op), "seq_lens[", b, "] = ", n, " needs ", entries, " cached ", held,
+                        ", more than the block table's capacity (", columns, " blocks x ", block_size, ")");
+    }
+    requests[b] = {starts[b], q_len, n, entries};
   }
   // mla_ops/ops/_paged.py: check_used_block_ids (the first bad id a request uses, row-major)
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = requests[b].seq_len;  // in [0, capacity]: the used columns are < columns
+    const int64_t n = requests[b].entries;  // in [0, capacity]: the used columns are < columns
     const int64_t used = n / block_size + (n % block_size != 0);
     for (int64_t j = 0; j < used; ++j) {
       const int64_t id = table[b * columns + j];
@@ -86,11 +97,13 @@ constexpr int64_t kKeyChunk = 512;    // keys of one work item
 constexpr int64_t kGroupScores = int64_t{1} << 24;  // score-buffer floats per group of tokens (64 MiB)
 static_assert(kKeyTile % kScoreTokens == 0, "key tiles are whole score blocks");
 
-// Query tokens [first, first + count) of request `request`, the first at position `first_position`:
-// together they see positions [0, width()).
+// Query tokens [first, first + count) of request `request`, the first at position `first_position`,
+// over entries of `ratio` tokens each: token tt of the tile sees entries [0, seen(tt)), the tile
+// [0, width()).
 struct TokenTile {
-  int64_t first, count, request, first_position;
-  int64_t width() const { return first_position + count; }
+  int64_t first, count, request, first_position, ratio;
+  int64_t seen(int64_t tt) const { return (first_position + tt + 1) / ratio; }
+  int64_t width() const { return seen(count - 1); }
 };
 
 struct WorkItem {
@@ -156,7 +169,7 @@ class AmxKeyScores {
 
 template <typename T>
 void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache, const IndexView& table,
-                    int64_t maxb, const SparseRequests& requests, int64_t topk, float scale,
+                    int64_t maxb, const SparseRequests& requests, int64_t topk, float scale, int64_t ratio,
                     int32_t* out) {
   constexpr int64_t W = fVec::size();
   static_assert(kKeyTile % W == 0, "a key tile is whole vectors");
@@ -175,7 +188,8 @@ void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Te
   for (int64_t b = 0; b < static_cast<int64_t>(requests.size()); ++b) {
     const SparseRequest& r = requests[b];
     for (int64_t i = 0; i < r.num_queries; i += kTileTokens)
-      tiles.push_back({r.first_token + i, std::min(kTileTokens, r.num_queries - i), b, r.seq_len - r.num_queries + i});
+      tiles.push_back(
+          {r.first_token + i, std::min(kTileTokens, r.num_queries - i), b, r.seq_len - r.num_queries + i, ratio});
   }
 
   std::vector<float> scores;
@@ -211,9 +225,9 @@ void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Te
         for (int64_t j = item.j0; j < item.j1; j += AmxKeyScores::kKeys) {
           const int64_t nk = std::min(AmxKeyScores::kKeys, item.j1 - j);
           for (int64_t i = 0; i < nk; ++i) {
-            const int64_t position = j + i;  // < seq_len <= maxb * bs, in a validated block
-            const int64_t id = table[tile.request * maxb + position / bs];
-            keys[i] = reinterpret_cast<const at::BFloat16*>(kc) + id * ks0 + (position % bs) * ks1;
+            const int64_t entry = j + i;  // < the request's entries <= maxb * bs, in a validated block
+            const int64_t id = table[tile.request * maxb + entry / bs];
+            keys[i] = reinterpret_cast<const at::BFloat16*>(kc) + id * ks0 + (entry % bs) * ks1;
           }
           const float* dots = engine.dots(keys, nk);
           const int64_t ld = engine.ld();
@@ -264,9 +278,9 @@ void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Te
         for (int64_t j = item.j0; j < item.j1; j += kKeyTile) {
           const int64_t nk = std::min(kKeyTile, item.j1 - j);
           for (int64_t i = 0; i < nk; ++i) {
-            const int64_t position = j + i;  // < seq_len <= maxb * bs, in a validated block
-            const int64_t id = table[tile.request * maxb + position / bs];
-            const T* src = kc + id * ks0 + (position % bs) * ks1;
+            const int64_t entry = j + i;  // < the request's entries <= maxb * bs, in a validated block
+            const int64_t id = table[tile.request * maxb + entry / bs];
+            const T* src = kc + id * ks0 + (entry % bs) * ks1;
             if (keys_in_place) {
               krows[i] = reinterpret_cast<const float*>(src);
             } else {
@@ -315,7 +329,7 @@ void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Te
       for (int64_t i = begin; i < end; ++i) {
         const auto [g, tt] = tokens[i];
         const TokenTile& tile = tiles[g];
-        const int64_t seen = tile.first_position + tt + 1;  // positions 0..p
+        const int64_t seen = tile.seen(tt);  // entries 0 .. (p + 1) // m - 1 (positions 0..p for m = 1)
         const float* row = scores.data() + offset[g - g0] + tt * tile.width();
         keys.resize(seen);
         for (int64_t j = 0; j < seen; ++j) keys[j] = order_key(row[j], j);
@@ -334,15 +348,16 @@ void indexer_kernel(const at::Tensor& q, const at::Tensor& weights, const at::Te
 
 at::Tensor lightning_indexer(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const at::Tensor& query_start_loc, int64_t topk, double softmax_scale) {
+                             const at::Tensor& query_start_loc, int64_t topk, double softmax_scale,
+                             int64_t compress_ratio) {
   const int64_t T = q.size(0);
   const at::Tensor tables = block_tables.contiguous();
-  const SparseRequests requests = check_request_values(
-      "lightning_indexer", T, tables, seq_lens, query_start_loc, k_cache.size(0), k_cache.size(1));
+  const SparseRequests requests = check_request_values("lightning_indexer", T, tables, seq_lens, query_start_loc,
+                                                       k_cache.size(0), k_cache.size(1), compress_ratio);
   for (const SparseRequest& r : requests) {
-    // the order keys and the int32 output hold positions in 32 bits
-    TORCH_CHECK(r.seq_len <= std::numeric_limits<int32_t>::max(), prefix("lightning_indexer"),
-                "the native kernel indexes at most 2**31 - 1 cached tokens per request, got ", r.seq_len);
+    // the order keys and the int32 output hold entry indices in 32 bits
+    TORCH_CHECK(r.entries <= std::numeric_limits<int32_t>::max(), prefix("lightning_indexer"),
+                "the native kernel indexes at most 2**31 - 1 cached entries per request, got ", r.entries);
   }
   at::Tensor out = new_cpu_tensor({T, topk}, at::kInt);
   int32_t* o = out.data_ptr<int32_t>();
@@ -354,7 +369,7 @@ at::Tensor lightning_indexer(const at::Tensor& q, const at::Tensor& weights, con
       TORCH_CHECK(false, "mla native lightning_indexer: float64 is served by the reference kernel");
     } else {
       indexer_kernel<scalar_t>(qc, w32, k_cache, IndexView(tables), tables.size(1), requests, topk,
-                               static_cast<float>(softmax_scale), o);
+                               static_cast<float>(softmax_scale), compress_ratio, o);
     }
   });
   return out;
