@@ -2,7 +2,10 @@
 
 Every test runs once per ISA build this machine can execute (avx512, avx2, default). The reference
 ops (`torch.ops.mla.*` with the default backend) are the oracle:
-* kv_prolog / latent_kv_prolog: bit-identical (same ATen GEMMs and reduction, same roundings).
+* kv_prolog / latent_kv_prolog, and DeepSeek-V4's shared_kv_q_prolog / shared_kv_prolog: bit-identical (same
+  ATen GEMMs and reduction, same roundings).
+* kv_compressor: bit-identical state and entry pool, call after call (ATen's softmax kernel, ATen's summation
+  order over the slots, the same roundings), whatever ATen's thread count.
 * gather / scatter: bit-identical (byte copies).
 * lightning indexer: on random floats the native summation order differs from the reference's GEMMs,
   so the selected sets are compared up to positions whose scores tie with the k-th within rounding
@@ -1304,6 +1307,336 @@ def test_indexer_ratio_near_2_63_sees_no_entry(isa):
     assert torch.equal(got, torch.ops.mla.lightning_indexer(*args))
 
 
+# ------------------------------------------------------------------ DeepSeek-V4: the query and K=V prologs
+def _v4_prolog_case(dtype, B, S, *, hidden=64, lora=48, heads=3, head_dim=40, rope_dim=16, norm_dtype=torch.float32,
+                    tables="batched", seed=0):
+    """(q prolog args, kv prolog args, num_heads): weights at nn.Linear's scale; tables "batched" [B, S, R/2],
+    "shared" [S, R/2], "broadcast" [1, S, R/2], or in the activation dtype ("activation", as stock passes them)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    x = rand(B, S, hidden)
+    q_a, q_b = rand(lora, hidden, scale=hidden**-0.5), rand(heads * head_dim, lora, scale=lora**-0.5)
+    kv_w = rand(head_dim, hidden, scale=hidden**-0.5)
+    q_norm = (1 + 0.2 * torch.randn(lora, generator=g)).to(norm_dtype)
+    kv_norm = (1 + 0.2 * torch.randn(head_dim, generator=g)).to(norm_dtype)
+    angles = torch.randn(1 if tables in ("shared", "broadcast") else B, S, rope_dim // 2, generator=g) * 3
+    cos, sin = angles.cos(), angles.sin()
+    if tables == "shared":
+        cos, sin = cos[0], sin[0]
+    elif tables == "activation":
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    return (x, q_a, q_norm, q_b, cos, sin), (x, kv_w, kv_norm, cos, sin), heads
+
+
+def _assert_prologs_identical(q_args, kv_args, heads, eps=1e-6):
+    got = native("shared_kv_q_prolog", *q_args, num_heads=heads, eps=eps)
+    want = torch.ops.mla.shared_kv_q_prolog(*q_args, num_heads=heads, eps=eps)
+    _assert_identical(got, want)
+    _assert_identical((native("shared_kv_prolog", *kv_args, eps=eps),),
+                      (torch.ops.mla.shared_kv_prolog(*kv_args, eps=eps),))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("norm_dtype", ["float32", "activation"])
+@pytest.mark.parametrize("tables", ["batched", "shared", "broadcast", "activation"])
+@pytest.mark.parametrize("B,S", [(1, 1), (2, 5), (3, 17)], ids=["decode", "batch", "prefill"])
+def test_shared_kv_prologs_bit_identical(isa, dtype, norm_dtype, tables, B, S):
+    """Both DeepSeek-V4 prologs, bit for bit the reference's (hence stock transformers'): norm weights in fp32 (as
+    the stock model keeps them) or the activation dtype, every table layout the ops take, head and rotary dims
+    that are no multiple of a vector (40 and 16)."""
+    q_args, kv_args, heads = _v4_prolog_case(dtype, B, S, tables=tables,
+                                             norm_dtype=torch.float32 if norm_dtype == "float32" else dtype)
+    _assert_prologs_identical(q_args, kv_args, heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("B,S", [(2, 1), (1, 6)], ids=["decode", "prefill"])
+def test_shared_kv_prologs_at_v4_flash_dims(isa, dtype, B, S):
+    """DeepSeek-V4-Flash's dims: hidden 4096, q_lora_rank 1024, 64 heads of 512 with a rotary tail of 64."""
+    q_args, kv_args, heads = _v4_prolog_case(dtype, B, S, hidden=4096, lora=1024, heads=64, head_dim=512,
+                                             rope_dim=64, seed=1)
+    _assert_prologs_identical(q_args, kv_args, heads)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_shared_kv_prologs_split_over_threads(isa, threads):
+    q_args, kv_args, heads = _v4_prolog_case(torch.bfloat16, 2, 33, hidden=256, lora=128, heads=8, head_dim=128,
+                                             rope_dim=64, seed=2)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _assert_prologs_identical(q_args, kv_args, heads, eps=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_shared_kv_prologs_strided_inputs_and_whole_row_rotation(isa):
+    """A hidden state that is a column slice of a wider buffer, transposed weights, pair-major tables, and a rotary
+    dim equal to the head dim (every channel rotated)."""
+    q_args, kv_args, heads = _v4_prolog_case(torch.float32, 2, 4, head_dim=16, rope_dim=16, seed=3)
+    x, q_a, q_norm, q_b, cos, sin = q_args
+    wide = torch.cat([x, torch.randn(2, 4, 7)], dim=-1)[..., :64]
+    strided = [wide, q_a.t().contiguous().t(), q_norm, q_b.t().contiguous().t(),
+               cos.transpose(-1, -2).contiguous().transpose(-1, -2), sin]
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
+    _assert_prologs_identical(strided, (wide, kv_args[1].t().contiguous().t(), *kv_args[2:4], sin), heads)
+
+
+@pytest.mark.parametrize("B,S", [(0, 3), (2, 0)])
+def test_shared_kv_prologs_empty(isa, B, S):
+    q_args, kv_args, heads = _v4_prolog_case(torch.bfloat16, B, S, tables="shared")
+    _assert_prologs_identical(q_args, kv_args, heads)
+
+
+def test_shared_kv_prologs_float64_is_served_by_the_reference(isa):
+    q_args, kv_args, heads = _v4_prolog_case(torch.float64, 2, 3)
+    with mla_ops.use_backend("auto"):
+        calls = [("shared_kv_q_prolog", q_args, {"num_heads": heads}), ("shared_kv_prolog", kv_args, {})]
+        for op, args, kwargs in calls:
+            text = mla_ops.explain(op, *args, **kwargs)
+            assert text.startswith(f"mla.{op}: reference") and "torch.float64 is not served" in text, text
+            got = getattr(torch.ops.mla, op)(*args, **kwargs)
+            with mla_ops.use_backend("reference"):
+                want = getattr(torch.ops.mla, op)(*args, **kwargs)
+            _assert_identical(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,))
+
+
+# --------------------------------------------------------------------- DeepSeek-V4: the KV compressor
+# (head_dim D, compress_ratio m, overlap) of DeepSeek-V4-Flash's compressors: CSA (two series of 512, m = 4),
+# HCA (512, m = 128) and the CSA indexer's own compressor (two series of 128, m = 4)
+V4_COMPRESSORS = {"csa": (512, 4, True), "hca": (512, 128, False), "indexer": (128, 4, True)}
+
+
+class _Compressor:
+    """One layer's compressor inputs for B requests: weights, rope tables, a state and an entry pool of
+    random rows (what earlier calls left), shuffled entry blocks; `step(q_lens)` makes the kv / gate and
+    request tensors of a call adding q_lens[b] tokens to request b."""
+
+    def __init__(self, dtype, head_dim, ratio, overlap, *, batch=3, bias_dtype=torch.float32, rope_dim=None,
+                 block_size=16, blocks_per_request=12, positions=2048, seed=0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.dtype, self.head_dim, self.ratio, self.overlap = dtype, head_dim, ratio, overlap
+        self.channels = 2 * head_dim if overlap else head_dim
+        rope_dim = rope_dim or min(64, head_dim)
+        self.bias = self.rand(ratio, self.channels, scale=2.0).to(bias_dtype)
+        self.weight = (1 + 0.2 * torch.randn(head_dim, generator=self.g)).to(bias_dtype)
+        self.cos, self.sin = self.rand(positions, rope_dim // 2), self.rand(positions, rope_dim // 2)
+        self.state = self.rand(batch, 2 * ratio if overlap else ratio, 2, self.channels).to(dtype)
+        num_blocks = batch * blocks_per_request + 2
+        self.pool = self.rand(num_blocks, block_size, 1, head_dim).to(dtype)
+        self.tables = torch.randperm(num_blocks, generator=self.g)[:batch * blocks_per_request].view(batch, -1).int()
+        self.seq_lens = [0] * batch
+
+    def rand(self, *shape, scale=1.0):
+        return torch.randn(*shape, generator=self.g) * scale
+
+    def step(self, q_lens):
+        self.seq_lens = [n + q for n, q in zip(self.seq_lens, q_lens)]
+        tokens = sum(q_lens)
+        kv = self.rand(tokens, self.channels, scale=2.0).to(self.dtype)
+        gate = self.rand(tokens, self.channels, scale=3.0).to(self.dtype)
+        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        return [kv, gate, self.bias, self.weight, self.cos, self.sin, self.state, self.pool, self.tables,
+                torch.tensor(self.seq_lens, dtype=torch.int32), starts]
+
+    def kwargs(self):
+        return {"compress_ratio": self.ratio, "overlap": self.overlap}
+
+
+def _compress_both(args, kwargs):
+    """The reference's and the native kernel's (state, pool) after the call, each on its own copies."""
+    results = []
+    for run in (lambda a: torch.ops.mla.kv_compressor(*a, **kwargs), lambda a: native("kv_compressor", *a, **kwargs)):
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        run(copies)
+        results.append((copies[6], copies[7]))
+    return results
+
+
+def _assert_bits_equal(got, want):
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), (
+            (g.float() - w.float()).abs().max(), int((g != w).sum()))
+
+
+def _compress_in_steps(compressor, steps, threads=None):
+    """Runs `steps` (q_lens per call) through the reference and the native kernel, from the same state and
+    pool, each call's results bit for bit equal; returns how many entries the calls wrote."""
+    written = 0
+    previous = threads and torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        for q_lens in steps:
+            args = compressor.step(q_lens)
+            want, got = _compress_both(args, compressor.kwargs())
+            _assert_bits_equal(got, want)
+            written += int((want[1] != compressor.pool).any(-1).sum())
+            compressor.state.copy_(want[0])
+            compressor.pool.copy_(want[1])
+    finally:
+        if threads:
+            torch.set_num_threads(previous)
+    return written
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("bias_dtype", ["float32", "activation"])
+@pytest.mark.parametrize("compressor", list(V4_COMPRESSORS))
+def test_kv_compressor_bit_identical_at_v4_flash_dims(isa, compressor, dtype, bias_dtype):
+    """DeepSeek-V4-Flash's three compressors through a prefill, a chunk and decode steps of three requests
+    (state carried between the calls): every call's state and entry pool bit for bit the reference's, with
+    position_bias and the norm weight in fp32 (as the stock model keeps them) or in the activation dtype."""
+    head_dim, ratio, overlap = V4_COMPRESSORS[compressor]
+    c = _Compressor(dtype, head_dim, ratio, overlap, bias_dtype=torch.float32 if bias_dtype == "float32" else dtype,
+                    seed=ratio + head_dim)
+    if ratio == 128:
+        steps = [(300, 130, 127), (1, 1, 1), (2, 0, 1), (1, 1, 1)]
+    else:
+        steps = [(37, 13, 5), (13, 1, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1), (9, 0, 4)]
+    assert _compress_in_steps(c, steps) > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dims", [(512, 128, False), (512, 4, True), (96, 3, True), (40, 5, False), (64, 128, True)],
+                         ids=["hca", "csa", "ragged-96", "ragged-40", "256-slots"])
+def test_kv_compressor_split_over_threads(isa, dims, dtype, threads):
+    """ATen's softmax and sum split their work over its threads in ways that change which exp and which
+    summation order an element gets: the kernel follows them on 1, 2 and 3 threads (a lone window split
+    along its channels, requests of many windows split along them, channels not a multiple of 64 whose
+    columns ATen sums in other orders, 256 slots summed in chunks of chunks)."""
+    head_dim, ratio, overlap = dims
+    c = _Compressor(dtype, head_dim, ratio, overlap, block_size=8, blocks_per_request=64, positions=4096, seed=7)
+    steps = [(5 * ratio + 1, ratio, 1), (1, ratio - 1, ratio + 2), (2 * ratio, 0, 4 * ratio - 2), (1, 1, 1)]
+    assert _compress_in_steps(c, steps, threads=threads) > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kv_compressor_prefill_of_4096_tokens(isa, threads):
+    """A prefill of 4096 tokens beside a short one: more windows (1025) than one batch of gates holds (1024 CSA
+    windows), so they run in two batches."""
+    c = _Compressor(torch.bfloat16, 512, 4, True, batch=2, block_size=64, blocks_per_request=20, positions=4200,
+                    seed=5)
+    assert _compress_in_steps(c, [(4096, 4), (1, 1)], threads=threads) == 1024 + 1
+
+
+def test_kv_compressor_unread_poison_never_leaks(isa):
+    """NaN in every state row the call does not read (rows of tokens before the windows it closes, other
+    requests' rows) and in every pool slot it does not write: the entries are bit for bit the clean ones,
+    the poisoned slots stay as they were."""
+    c = _Compressor(torch.bfloat16, 64, 4, True, batch=2, block_size=4, blocks_per_request=6, seed=9)
+    c.step((10, 6))  # positions 0..9 and 0..5 already seen
+    # request 0: tokens 10..12 close entry 2 (Ca of tokens 4..7 and Cb of 8..9 from the state); request 1:
+    # tokens 6..7 close entry 1 (Ca of 0..3 and Cb of 4..5 from the state)
+    args = c.step((3, 2))
+    clean_state, clean_pool = _compress_both(args, c.kwargs())[1]
+    read_rows = {(0, p % 8) for p in range(4, 10)} | {(1, p % 8) for p in range(0, 6)}
+    poisoned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    for b in range(2):
+        for row in range(8):
+            if (b, row) not in read_rows:
+                poisoned[6][b, row] = float("nan")
+    written = (clean_pool != args[7]).any(-1)  # [blocks, block_size, 1]: the slots the call writes
+    assert int(written.sum()) == 2
+    poisoned[7][~written] = float("nan")
+    native("kv_compressor", *poisoned, **c.kwargs())
+    assert torch.equal(poisoned[7][written], clean_pool[written])
+    assert bool(poisoned[7][~written].isnan().all())
+    kept = [(b, p % 8) for b, ps in ((0, range(10, 13)), (1, range(6, 8))) for p in ps]
+    for b, row in kept:
+        assert torch.equal(poisoned[6][b, row], clean_state[b, row])
+
+
+def test_kv_compressor_strided_and_aliased_arguments(isa):
+    """Inputs of any strides (kv / gate columns of a wider projection, a transposed table, a state and a pool
+    inside larger buffers with a strided last dim), and kv / gate that are views of the state the call
+    writes (read in full first): the reference's results, written through the strides."""
+    c = _Compressor(torch.float32, 32, 4, True, batch=2, block_size=4, blocks_per_request=6, rope_dim=16, seed=13)
+    c.step((9, 5))
+    kv, gate, bias, weight, cos, sin, state, pool, tables, lens, starts = c.step((4, 3))
+    wide = torch.cat([kv, gate, torch.randn(7, 5)], dim=1)
+    state_buffer = torch.randn(2, 8, 2, 64, 2)
+    state_buffer[..., 0] = state
+    pool_buffer = torch.randn(pool.shape[0], 4, 1, 32, 2)
+    pool_buffer[..., 1] = pool
+    cos_t = cos.t().contiguous().t()
+    strided = [wide[:, :64], wide[:, 64:128], bias, weight, cos_t, sin, state_buffer[..., 0], pool_buffer[..., 1],
+               tables, lens, starts]
+    want = _compress_both([kv, gate, bias, weight, cos, sin, state, pool, tables, lens, starts], c.kwargs())[0]
+    native("kv_compressor", *strided, **c.kwargs())
+    _assert_bits_equal((strided[6], strided[7]), want)
+    # kv / gate rows that are views of the state the call writes
+
+    def aliased_call():
+        copies = [a.clone() for a in (kv, gate, bias, weight, cos, sin, state, pool, tables, lens, starts)]
+        copies[0], copies[1] = copies[6][0, :7, 0], copies[6][1, :7, 1]
+        return copies
+
+    reference, served = aliased_call(), aliased_call()
+    torch.ops.mla.kv_compressor(*reference, **c.kwargs())
+    native("kv_compressor", *served, **c.kwargs())
+    _assert_bits_equal((served[6], served[7]), (reference[6], reference[7]))
+
+
+COMPRESSOR_BAD = {
+    "query-starts-not-from-0": lambda a: a.__setitem__(10, torch.tensor([1, 4, 7], dtype=torch.int32)),
+    "query-starts-decrease": lambda a: a.__setitem__(10, torch.tensor([0, 5, 4], dtype=torch.int32)),
+    "fewer-tokens-than-new": lambda a: a[9].__setitem__(1, 2),
+    "entries-past-capacity": lambda a: a[9].__setitem__(0, 10**4),
+    "seq-len-near-2**63": lambda a: a.__setitem__(9, a[9].long().index_fill(0, torch.tensor([1]), 2**63 - 1)),
+    "rope-position-past-the-tables": lambda a: (a.__setitem__(4, a[4][:4]), a.__setitem__(5, a[5][:4])),
+    "written-block-freed": lambda a: a[8].__setitem__((1, 0), -1),
+    "written-block-past-pool": lambda a: a[8].__setitem__((0, 0), 10**6),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPRESSOR_BAD))
+def test_kv_compressor_bad_values_same_error_nothing_written(isa, case):
+    """Index values the CPU refuses: the reference's ValueError word for word, the state and pool untouched."""
+    c = _Compressor(torch.bfloat16, 32, 4, True, batch=2, block_size=4, blocks_per_request=6, positions=64, seed=17)
+    args = c.step((9, 7))
+    COMPRESSOR_BAD[case](args)
+    with pytest.raises(ValueError) as expected:
+        torch.ops.mla.kv_compressor(*args, **c.kwargs())
+    state, pool = args[6].clone(), args[7].clone()
+    with pytest.raises(ValueError) as got:
+        native("kv_compressor", *args, **c.kwargs())
+    assert str(got.value) == str(expected.value)
+    assert torch.equal(args[6], state) and torch.equal(args[7], pool)
+
+
+def test_kv_compressor_empty_calls(isa):
+    """No new token (the values are still checked), and no request."""
+    c = _Compressor(torch.bfloat16, 32, 4, False, batch=2, block_size=4, blocks_per_request=4, seed=19)
+    c.step((6, 3))
+    args = c.step((0, 0))
+    want, got = _compress_both(args, c.kwargs())
+    _assert_bits_equal(got, want)
+    assert torch.equal(got[0], c.state) and torch.equal(got[1], c.pool)
+    args[9][0] = -1
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = -1 is less than"):
+        native("kv_compressor", *args, **c.kwargs())
+    empty = [args[0], args[1], *args[2:6], args[6][:0], args[7], args[8][:0], args[9][:0], args[10][:1]]
+    want, got = _compress_both(empty, c.kwargs())
+    _assert_bits_equal(got, want)
+
+
+def test_kv_compressor_float64_is_served_by_the_reference_and_explained(isa):
+    c = _Compressor(torch.float64, 32, 4, True, batch=2, block_size=4, blocks_per_request=6, seed=23)
+    args = c.step((9, 3))
+    expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.ops.mla.kv_compressor(*expected, **c.kwargs())
+    with mla_ops.use_backend("auto"):
+        text = mla_ops.explain("kv_compressor", *args, **c.kwargs())
+        assert "not cpu_native: torch.float64 is not served by the native kernels" in text, text
+        torch.ops.mla.kv_compressor(*args, **c.kwargs())
+    _assert_bits_equal((args[6], args[7]), (expected[6], expected[7]))
+
+
 # ------------------------------------------------------------------------------------------- opcheck
 
 
@@ -1345,6 +1678,9 @@ def _tiny_calls():
     sparse = _sparse_case(torch.float32, sparse_tables, sparse_lens, starts, topk=8, heads=4, L=32, R=8)
     shared_kv = _shared_kv_case(torch.float32, [40, 9], [3, 1], heads=4, dim=32, window=8, block_size=16, ratio=4,
                                 entry_block_size=4, topk=4)
+    compressor = _Compressor(torch.float32, 32, 4, True, batch=2, block_size=4, blocks_per_request=4)
+    compressor_args = compressor.step((5, 1))
+    v4_q_args, v4_kv_args, v4_heads = _v4_prolog_case(torch.bfloat16, 1, 1)
     return {
         "mla_decode_attention": lambda: torch.ops.mla.mla_decode_attention(
             q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1),
@@ -1361,6 +1697,9 @@ def _tiny_calls():
             q, weights, k_cache, sparse_tables, sparse_lens, starts, 8, 0.25),
         "sparse_mla_attention": lambda: torch.ops.mla.sparse_mla_attention(*sparse, 0.1),
         "shared_kv_attention": lambda: torch.ops.mla.shared_kv_attention(*shared_kv),
+        "kv_compressor": lambda: torch.ops.mla.kv_compressor(*compressor_args, **compressor.kwargs()),
+        "shared_kv_q_prolog": lambda: torch.ops.mla.shared_kv_q_prolog(*v4_q_args, num_heads=v4_heads),
+        "shared_kv_prolog": lambda: torch.ops.mla.shared_kv_prolog(*v4_kv_args),
     }
 
 

@@ -53,8 +53,8 @@ ENV_AMX = "MLA_OPS_NATIVE_AMX"
 # csrc/cpu/registration.cpp (a test checks the two lists agree).
 NATIVE_OPS = (
     "mla_decode_attention", "sparse_mla_attention", "lightning_indexer", "shared_kv_attention", "kv_prolog",
-    "latent_kv_prolog", "rms_norm", "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "scatter_pa_kv_cache",
-    "scatter_pa_cache",
+    "latent_kv_prolog", "shared_kv_q_prolog", "shared_kv_prolog", "kv_compressor", "rms_norm", "gather_pa_kv_cache",
+    "gather_pa_kv_cache_functional", "scatter_pa_kv_cache", "scatter_pa_cache",
 )
 
 _lock = threading.Lock()

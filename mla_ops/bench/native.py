@@ -272,6 +272,7 @@ def tiny_arguments() -> dict[str, tuple[tuple, dict]]:
     cos, sin = torch.ones(1, rope // 2), torch.zeros(1, rope // 2)
     index_q, index_weights = torch.randn(1, 1, lora, generator=g), torch.ones(1, 1)
     starts, topk_indices = torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32)
+    compressor_kv, compressor_gate = torch.randn(1, lora, generator=g), torch.randn(1, lora, generator=g)
     return {
         "mla_decode_attention": ((q_latent, q_pe, key_cache, value_cache, tables, lens, 0.1), {}),
         "scatter_pa_cache": ((key, key_cache, slots), {}),
@@ -285,6 +286,12 @@ def tiny_arguments() -> dict[str, tuple[tuple, dict]]:
         "rms_norm": ((hidden, torch.ones(8), 1e-6), {}),
         "kv_prolog": ((hidden, kv_a, None, norm_w, kv_b, cos, sin),
                       {"num_heads": heads, "qk_nope_head_dim": 4, "v_head_dim": 4}),
+        "shared_kv_q_prolog": ((hidden, kv_a[:lora], norm_w, kv_b[:, :lora], cos, sin), {"num_heads": heads}),
+        "shared_kv_prolog": ((hidden, kv_a[:lora], norm_w, cos, sin), {}),
+        # one decode token that closes entry 0 of a compressor of ratio 1 (kv, gate [1, 16], no overlap)
+        "kv_compressor": ((compressor_kv, compressor_gate, torch.zeros(1, lora), norm_w, cos, sin,
+                           torch.zeros(1, 1, 2, lora), torch.zeros(1, block, 1, lora), tables, lens, starts),
+                          {"compress_ratio": 1, "overlap": False}),
     }
 
 

@@ -180,6 +180,44 @@ void check_shared_pool(std::string_view op, std::string_view name, const at::Ten
   check_same_dtype(op, name, pool, "q", q);
 }
 
+// mla_ops/ops/shared_kv_prolog.py: check_norm_weight (a DeepSeek-V4 RMSNorm weight: [size], float32 or the
+// activation's dtype)
+void check_norm_weight(std::string_view op, std::string_view name, const at::Tensor& weight, int64_t size,
+                       std::string_view size_name, const at::Tensor& activation, std::string_view activation_name) {
+  check_rank(op, name, weight, 1, "[" + std::string(size_name) + "]");
+  check_size(op, name, weight.size(0), size, "length must equal " + std::string(size_name));
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == activation.scalar_type(), prefix(op), name,
+              " must be float32 (stock keeps the norm weights in fp32) or ", activation_name, "'s dtype ",
+              py_dtype(activation), ", got ", py_dtype(weight));
+}
+
+// mla_ops/ops/shared_kv_prolog.py: check_rope_width (R = 2 * cos.shape[-1], at least one pair, at most the head)
+void check_rope_width(std::string_view op, std::string_view name, const at::Tensor& cos, int64_t head_dim,
+                      std::string_view head_name) {
+  TORCH_CHECK(cos.size(-1) >= 1, prefix(op), name,
+              " has no rotation pair (last dim 0); pass the rope table, [..., R/2], R >= 2");
+  // 128 bits: a last dim near 2**63 must not wrap into a narrow rotation
+  const __int128 rope_dim = 2 * static_cast<__int128>(cos.size(-1));
+  TORCH_CHECK(rope_dim <= head_dim, prefix(op), "the rotary dim R = ", py_int(rope_dim), " (twice the last dim of ",
+              name, ") must not exceed ", head_name, " (", head_dim, "): rope rotates the trailing R channels of each row");
+}
+
+// mla_ops/ops/shared_kv_prolog.py: _check_hidden_and_projection
+void check_hidden_and_projection(std::string_view op, const at::Tensor& hidden, std::string_view name,
+                                 const at::Tensor& weight, std::string_view layout) {
+  check_float(op, "hidden_states", hidden);
+  check_rank(op, "hidden_states", hidden, 3, "[batch, seq, hidden]");
+  check_rank(op, name, weight, 2, layout);
+  check_same_dtype(op, name, weight, "hidden_states", hidden);
+  check_size(op, name, weight.size(1), hidden.size(2), "in_features (dim 1) must equal the hidden size of hidden_states");
+}
+
+// check_size with an expected value computed in 128 bits (a product of sizes), printed as Python prints it
+void check_size_wide(std::string_view op, std::string_view name, int64_t actual, __int128 expected,
+                     std::string_view what) {
+  TORCH_CHECK(actual == expected, prefix(op), name, " ", what, ": expected ", py_int(expected), ", got ", actual);
+}
+
 }  // namespace
 
 // mla_ops/ops/decode_attention.py: check_decode_attention_args
@@ -413,6 +451,126 @@ void check_shared_kv_attention_args(const at::Tensor& q, const at::Tensor& kv_ca
                          {"compressed_cache", optional(compressed_cache)},
                          {"compressed_block_tables", optional(compressed_block_tables)},
                          {"topk_indices", optional(topk_indices)}});
+}
+
+// mla_ops/ops/shared_kv_prolog.py: check_shared_kv_q_prolog_args
+void check_shared_kv_q_prolog_args(const at::Tensor& hidden, const at::Tensor& q_a_weight,
+                                   const at::Tensor& q_norm_weight, const at::Tensor& q_b_weight, const at::Tensor& cos,
+                                   const at::Tensor& sin, int64_t num_heads, double eps) {
+  constexpr std::string_view op = "shared_kv_q_prolog";
+  TORCH_CHECK(num_heads > 0, prefix(op), "num_heads must be positive, got ", num_heads);
+  TORCH_CHECK(eps >= 0.0, prefix(op), "eps must be >= 0, got ", py_float(eps));
+  check_hidden_and_projection(op, hidden, "q_a_weight", q_a_weight, "[q_lora_rank, hidden] (q_a_proj.weight)");
+  check_norm_weight(op, "q_norm_weight", q_norm_weight, q_a_weight.size(0), "q_lora_rank (the rows of q_a_weight)",
+                    hidden, "hidden_states");
+  check_rank(op, "q_b_weight", q_b_weight, 2, "[num_heads * head_dim, q_lora_rank] (q_b_proj.weight)");
+  check_same_dtype(op, "q_b_weight", q_b_weight, "hidden_states", hidden);
+  check_size(op, "q_b_weight", q_b_weight.size(1), q_a_weight.size(0),
+             "in_features (dim 1) must equal q_lora_rank (the rows of q_a_weight)");
+  TORCH_CHECK(q_b_weight.size(0) % num_heads == 0, prefix(op), "q_b_weight has ", q_b_weight.size(0),
+              " rows, which must be num_heads (", num_heads,
+              ") * head_dim; pass the num_heads of the attention (config.num_attention_heads)");
+  TORCH_CHECK(cos.dim() == 2 || cos.dim() == 3, prefix(op), "cos must be [B, S, R/2] or [S, R/2], got ", py_shape(cos));
+  check_rope_width(op, "cos", cos, q_b_weight.size(0) / num_heads, "head_dim (q_b_weight rows / num_heads)");
+  check_rope_tables(op, "q", cos, sin, 2 * cos.size(-1), hidden.size(1), hidden.size(0));
+  check_same_device(op, {{"hidden_states", &hidden},
+                         {"q_a_weight", &q_a_weight},
+                         {"q_norm_weight", &q_norm_weight},
+                         {"q_b_weight", &q_b_weight},
+                         {"cos", &cos},
+                         {"sin", &sin}});
+}
+
+// mla_ops/ops/shared_kv_prolog.py: check_shared_kv_prolog_args
+void check_shared_kv_prolog_args(const at::Tensor& hidden, const at::Tensor& kv_weight,
+                                 const at::Tensor& kv_norm_weight, const at::Tensor& cos, const at::Tensor& sin,
+                                 double eps) {
+  constexpr std::string_view op = "shared_kv_prolog";
+  TORCH_CHECK(eps >= 0.0, prefix(op), "eps must be >= 0, got ", py_float(eps));
+  check_hidden_and_projection(op, hidden, "kv_weight", kv_weight, "[head_dim, hidden] (kv_proj.weight)");
+  check_norm_weight(op, "kv_norm_weight", kv_norm_weight, kv_weight.size(0), "head_dim (the rows of kv_weight)", hidden,
+                    "hidden_states");
+  TORCH_CHECK(cos.dim() == 2 || cos.dim() == 3, prefix(op), "cos must be [B, S, R/2] or [S, R/2], got ", py_shape(cos));
+  check_rope_width(op, "cos", cos, kv_weight.size(0), "head_dim (the rows of kv_weight)");
+  check_rope_tables(op, "kv", cos, sin, 2 * cos.size(-1), hidden.size(1), hidden.size(0));
+  check_same_device(op, {{"hidden_states", &hidden},
+                         {"kv_weight", &kv_weight},
+                         {"kv_norm_weight", &kv_norm_weight},
+                         {"cos", &cos},
+                         {"sin", &sin}});
+}
+
+// mla_ops/ops/kv_compressor.py: check_kv_compressor_args
+void check_kv_compressor_args(const at::Tensor& kv, const at::Tensor& gate, const at::Tensor& position_bias,
+                              const at::Tensor& norm_weight, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                              const at::Tensor& state, const at::Tensor& entry_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t compress_ratio,
+                              bool overlap, double eps) {
+  constexpr std::string_view op = "kv_compressor";
+  check_compress_ratio(op, compress_ratio);
+  TORCH_CHECK(eps >= 0.0, prefix(op), "eps must be >= 0, got ", py_float(eps));
+  check_rank(op, "norm_weight", norm_weight, 1, "[head_dim] (kv_norm.weight of the compressor)");
+  const int64_t head_dim = norm_weight.size(0);
+  const __int128 channels = overlap ? 2 * static_cast<__int128>(head_dim) : head_dim;
+  const std::string_view series = overlap ? "2 * head_dim with overlap=True (CSA: two series, Ca and Cb)"
+                                          : "head_dim with overlap=False (HCA)";
+  check_float(op, "kv", kv);
+  check_rank(op, "kv", kv, 2, "[tokens, channels] (kv_proj output of the new tokens)");
+  check_size_wide(op, "kv", kv.size(1), channels,
+                  "channels (dim 1) must be " + std::string(series) + "; head_dim is the length of norm_weight");
+  check_rank(op, "gate", gate, 2, "[tokens, channels] (gate_proj output of the new tokens)");
+  check_size(op, "gate", gate.size(0), kv.size(0), "tokens (dim 0) must equal kv's");
+  check_size(op, "gate", gate.size(1), kv.size(1), "channels (dim 1) must equal kv's");
+  check_same_dtype(op, "gate", gate, "kv", kv);
+  check_norm_weight(op, "norm_weight", norm_weight, head_dim, "head_dim", kv, "kv");
+  check_rank(op, "position_bias", position_bias, 2, "[compress_ratio, channels]");
+  check_size(op, "position_bias", position_bias.size(0), compress_ratio,
+             "rows (dim 0) must equal compress_ratio (one bias row per slot of a window)");
+  check_size(op, "position_bias", position_bias.size(1), kv.size(1), "channels (dim 1) must equal kv's");
+  TORCH_CHECK(position_bias.scalar_type() == at::kFloat || position_bias.scalar_type() == kv.scalar_type(), prefix(op),
+              "position_bias must be float32 (stock keeps it in fp32) or kv's dtype ", py_dtype(kv), ", got ",
+              py_dtype(position_bias));
+  for (const auto& [name, table] : {NamedTensor{"cos_cache", &cos_cache}, NamedTensor{"sin_cache", &sin_cache}}) {
+    check_float(op, name, *table);
+    check_rank(op, name, *table, 2, "[positions, rope_dim / 2] (the rope table by position)");
+  }
+  TORCH_CHECK(cos_cache.sizes() == sin_cache.sizes(), prefix(op), "cos_cache and sin_cache must have the same shape, got ",
+              py_shape(cos_cache), " and ", py_shape(sin_cache));
+  TORCH_CHECK(cos_cache.size(0) >= 1, prefix(op),
+              "cos_cache has no position (dim 0 is 0); pass the rope table of every position an entry is rotated at "
+              "(w * compress_ratio)");
+  check_rope_width(op, "cos_cache", cos_cache, head_dim, "head_dim (the length of norm_weight)");
+  check_requests(op, block_tables, seq_lens, query_start_loc);
+  const __int128 rows = overlap ? 2 * static_cast<__int128>(compress_ratio) : compress_ratio;
+  check_rank(op, "state", state, 4, "[batch, rows, 2, channels] (raw kv and gate of each request's latest tokens)");
+  check_size(op, "state", state.size(0), block_tables.size(0),
+             "batch (dim 0) must equal the number of block-table rows (one per request)");
+  check_size_wide(op, "state", state.size(1), rows,
+                  std::string("rows (dim 1) must be ") + (overlap ? "2 * " : "") + "compress_ratio with overlap=" +
+                      (overlap ? "True" : "False"));
+  check_size(op, "state", state.size(2), 2, "dim 2 must be 2 (index 0: raw kv, index 1: raw gate)");
+  check_size(op, "state", state.size(3), kv.size(1), "channels (dim 3) must equal kv's");
+  check_same_dtype(op, "state", state, "kv", kv);
+  check_writable_layout(op, "state", state);
+  check_rank(op, "entry_cache", entry_cache, 4, "[num_blocks, block_size, 1, head_dim] (the compressed entries)");
+  check_size(op, "entry_cache", entry_cache.size(2), 1, "heads (dim 2) must be 1: one entry row per window");
+  check_size(op, "entry_cache", entry_cache.size(3), head_dim,
+             "dim (dim 3) must equal head_dim (the length of norm_weight)");
+  TORCH_CHECK(entry_cache.size(0) >= 1, prefix(op), "entry_cache needs at least one block (dim 0), got 0");
+  TORCH_CHECK(entry_cache.size(1) >= 1, prefix(op), "block_size (entry_cache dim 1) must be >= 1, got 0");
+  check_same_dtype(op, "entry_cache", entry_cache, "kv", kv);
+  check_writable_layout(op, "entry_cache", entry_cache);
+  check_same_device(op, {{"kv", &kv},
+                         {"gate", &gate},
+                         {"position_bias", &position_bias},
+                         {"norm_weight", &norm_weight},
+                         {"cos_cache", &cos_cache},
+                         {"sin_cache", &sin_cache},
+                         {"state", &state},
+                         {"entry_cache", &entry_cache},
+                         {"block_tables", &block_tables},
+                         {"seq_lens", &seq_lens},
+                         {"query_start_loc", &query_start_loc}});
 }
 
 // mla_ops/ops/rms_norm.py: check_rms_norm_args

@@ -47,6 +47,17 @@ void check_gather_pa_kv_cache_functional_args(const at::Tensor& key_cache, const
                                               const std::optional<at::Tensor>& seq_offset, bool is_seq_lens_cumsum);
 void check_scatter_pa_kv_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                     const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void check_shared_kv_q_prolog_args(const at::Tensor& hidden, const at::Tensor& q_a_weight,
+                                   const at::Tensor& q_norm_weight, const at::Tensor& q_b_weight, const at::Tensor& cos,
+                                   const at::Tensor& sin, int64_t num_heads, double eps);
+void check_shared_kv_prolog_args(const at::Tensor& hidden, const at::Tensor& kv_weight,
+                                 const at::Tensor& kv_norm_weight, const at::Tensor& cos, const at::Tensor& sin,
+                                 double eps);
+void check_kv_compressor_args(const at::Tensor& kv, const at::Tensor& gate, const at::Tensor& position_bias,
+                              const at::Tensor& norm_weight, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                              const at::Tensor& state, const at::Tensor& entry_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t compress_ratio,
+                              bool overlap, double eps);
 void check_rms_norm_args(const at::Tensor& x, const at::Tensor& weight, double eps);
 void check_scatter_pa_cache_args(const at::Tensor& key, const at::Tensor& cache, const at::Tensor& slot_mapping);
 

@@ -105,9 +105,9 @@ Reasons rms_norm_reasons(const at::Tensor& x, const at::Tensor& weight) {
   return reasons;
 }
 
-Reasons indexer_reasons(const at::Tensor& q) {
+Reasons dtype_reasons(const at::Tensor& activation) {
   Reasons reasons;
-  add_dtype_reason(reasons, q);
+  add_dtype_reason(reasons, activation);
   return reasons;
 }
 

@@ -24,10 +24,13 @@ Reasons sparse_attention_reasons(const at::Tensor& q_latent, const at::Tensor& k
 // kv_prolog / latent_kv_prolog
 Reasons prolog_reasons(const at::Tensor& hidden_states, const at::Tensor& cos, const at::Tensor& sin,
                        std::string_view rope_layout, std::string_view rope_compute_dtype);
-Reasons indexer_reasons(const at::Tensor& q);
 // shared_kv_attention: both pools' rows are read in place.
 Reasons shared_kv_attention_reasons(const at::Tensor& q, const at::Tensor& kv_cache,
                                     const std::optional<at::Tensor>& compressed_cache);
+// The kernels that serve every layout and decline only a dtype (that of `activation`): lightning_indexer (q),
+// shared_kv_q_prolog and shared_kv_prolog (hidden_states), kv_compressor (kv; strided inputs are copied, the state
+// and the pool written through their strides).
+Reasons dtype_reasons(const at::Tensor& activation);
 Reasons rms_norm_reasons(const at::Tensor& x, const at::Tensor& weight);
 
 // The reasons of an op whose arguments number I... are the arguments of `reasons`, in order (for

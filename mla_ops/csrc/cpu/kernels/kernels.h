@@ -79,6 +79,33 @@ MLA_ISA_KERNEL(latent_kv_prolog,
                                                   const at::Tensor& sin, double eps, std::string_view rope_layout,
                                                   std::string_view rope_compute_dtype))
 
+// DeepSeek-V4's K = V prolog: hidden [B, S, Hd], kv_weight [D, Hd], kv_norm_weight [D] (fp32 or hidden's
+// dtype), cos / sin [B, S, R/2] or [S, R/2] -> kv [B, S, D]; bit-identical to the reference kernel.
+MLA_ISA_KERNEL(shared_kv_prolog,
+               at::Tensor(const at::Tensor& hidden_states, const at::Tensor& kv_weight, const at::Tensor& kv_norm_weight,
+                          const at::Tensor& cos, const at::Tensor& sin, double eps))
+
+// DeepSeek-V4's query prolog: hidden [B, S, Hd], q_a_weight [Q, Hd], q_norm_weight [Q], q_b_weight [N*D, Q],
+// cos / sin as above -> (q [B, S, N, D], q_residual [B, S, Q]); bit-identical to the reference kernel.
+MLA_ISA_KERNEL(shared_kv_q_prolog,
+               std::tuple<at::Tensor, at::Tensor>(const at::Tensor& hidden_states, const at::Tensor& q_a_weight,
+                                                  const at::Tensor& q_norm_weight, const at::Tensor& q_b_weight,
+                                                  const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                                                  double eps))
+
+// DeepSeek-V4's KV compressor: kv, gate [T, C] (C = 2D with overlap, D without); position_bias [m, C] and
+// norm_weight [D] (fp32 or kv's dtype); cos_cache / sin_cache [P, R/2]; state [B, L, 2, C] and entry_cache
+// [NB, bs, 1, D] in kv's dtype (written in place, any strides); the request tensors of sparse MLA. Writes
+// the entries of the windows the call closes and the state rows of each request's last min(q_b, L) new
+// tokens, bit-identical to the reference kernel. Raises ValueError (the messages of the Python
+// check_compressor_values) before writing anything.
+MLA_ISA_KERNEL(kv_compressor,
+               void(const at::Tensor& kv, const at::Tensor& gate, const at::Tensor& position_bias,
+                    const at::Tensor& norm_weight, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                    const at::Tensor& state, const at::Tensor& entry_cache, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t compress_ratio,
+                    bool overlap, double eps))
+
 // Every sequence's cached tokens, in order, into key [T, Hk, Dk] / value [T, Hv, Dv] (block-run copies,
 // any cache strides).
 MLA_ISA_KERNEL(gather_pa_kv_cache,

@@ -19,9 +19,8 @@
 #include "common.h"
 #include "kernels.h"
 #include "norm.h"
+#include "prolog.h"
 
-#include <ATen/ops/linear.h>
-#include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
 
 #include <cmath>
@@ -29,44 +28,6 @@
 namespace mla_native {
 inline namespace CPU_CAPABILITY {
 namespace {
-
-struct RopeTables {
-  const float* cos;
-  const float* sin;
-  int64_t batch_stride;  // 0 when the tables broadcast over the batch
-  int64_t seq_stride;
-};
-
-// The tables as contiguous fp32 (usually what they already are: no copy, no dispatcher call).
-at::Tensor as_f32_contiguous(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat ? t.contiguous() : t.to(at::kFloat).contiguous();
-}
-
-RopeTables rope_tables(const at::Tensor& cos32, const at::Tensor& sin32) {
-  const int64_t half = cos32.size(-1);
-  const bool batched = cos32.dim() == 3 && cos32.size(0) > 1;
-  return {cos32.const_data_ptr<float>(), sin32.const_data_ptr<float>(),
-          batched ? cos32.size(1) * half : 0, half};
-}
-
-// x @ weight^T for a [B, S, K] activation, as [B*S, O] rows: the GEMM at::linear computes. Without a
-// bias, linear folds a contiguous 3-D activation to [B*S, K] and calls mm with weight.t()
-// (aten/src/ATen/native/LinearAlgebra.cpp, matmul's fold), so mm_out on those operands is the same
-// kernel with the same operands, minus linear's and matmul's own dispatcher round trips, which cost more
-// than the GEMM on a one-token call (the operands' views are built in place, `alias_with_geometry`).
-// The result goes to `out` ([B*S, O], contiguous) and is returned. With a bias or a strided activation,
-// linear itself (a new tensor; `out` unused).
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                   const at::Tensor& out) {
-  if ((bias.has_value() && bias->defined()) || !x.is_contiguous()) return at::linear(x, weight, bias).contiguous();
-  const int64_t rows = x.size(0) * x.size(1), K = x.size(2);
-  if (rows == 0) return out;
-  const at::Tensor x2 = alias_with_geometry(x, {rows, K}, {K, 1}, x.storage_offset());
-  const at::Tensor weight_t = alias_with_geometry(weight, {weight.size(1), weight.size(0)},
-                                                  {weight.stride(1), weight.stride(0)}, weight.storage_offset());
-  at::mm_out(const_cast<at::Tensor&>(out), x2, weight_t);
-  return out;
-}
 
 // RMSNorm of the latent part + RoPE of the rope part for every token row.
 template <typename T>

@@ -74,5 +74,17 @@ inline void normalize_row(const T* x, int64_t H, float r, const Wt* weight, O* o
   }
 }
 
+// One row of DeepSeek-V4's RMSNorm (DeepseekV4RMSNorm: `(weight * (x32 * r)).to(T)`): the weight multiplies
+// the unrounded fp32 value and the product is rounded once, out[d] = T(float(weight[d]) * (float(x[d]) * r)).
+// In place when out == x.
+template <typename T, typename Wt>
+inline void normalize_row_rounded_once(const T* x, int64_t H, float r, const Wt* weight, T* out) {
+  constexpr int64_t W = fVec::size();
+  const fVec rv(r);
+  int64_t d = 0;
+  for (; d + W <= H; d += W) store_from_f32<T>(out + d, load_f32<Wt>(weight + d) * (load_f32<T>(x + d) * rv));
+  for (; d < H; ++d) out[d] = from_f32<T>(to_f32(weight[d]) * (to_f32(x[d]) * r));
+}
+
 }  // namespace CPU_CAPABILITY
 }  // namespace mla_native
