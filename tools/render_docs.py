@@ -427,6 +427,8 @@ HEADLINE = (
              _native_row("bfloat16", 1, 4096)),
     Headline("DeepSeek-V3.2 attention layer, 32k context: sparse decode step (indexer + top-2048) vs dense decode",
              "sparse_decode_1thread.json", "sparse-mla-decode", _sparse_row(32768)),
+    Headline("DeepSeek-V4 transformers decode per token, 64k context: `mla_ops.patch(model)` paged vs stock "
+             "(4 layers, V4-Flash attention, bf16)", "deepseek_v4.json", "deepseek-v4", _decode_row(65536)),
 )
 
 
