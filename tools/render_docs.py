@@ -379,6 +379,7 @@ TABLES: dict[str, Table] = {
     "vllm-sparse-amx": Table("vllm_v32_attention.json", vllm_sparse),
     "vllm-sparse-amx-16k": Table("vllm_v32_attention_16k.json", vllm_sparse),
     "deepseek-v4-decode": Table("deepseek_v4.json", v4_decode),
+    "deepseek-v4-decode-avx2": Table("deepseek_v4_avx2_only.json", v4_decode),
     "deepseek-v4-ops": Table("deepseek_v4.json", v4_ops),
     "deepseek-v4-vllm": Table("deepseek_v4.json", v4_vllm),
     "deepseek-v4-prefill": Table("deepseek_v4_prefill.json", v4_prefill),
