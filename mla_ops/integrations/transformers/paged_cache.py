@@ -47,7 +47,45 @@ MAX_INITIAL_TOKENS_PER_ROW = 512
 
 
 # ------------------------------------------------------------------------------------------- cache
-class MLAPagedLayer(CacheLayerMixin):
+class PagedLayerView(CacheLayerMixin):
+    """A paged cache's layer as transformers' `Cache` sees it: sizes and resets are the parent cache's
+    (`self._cache`, whose token bookkeeping every layer shares); what the cache cannot do raises through
+    `self.unsupported(what)`."""
+
+    def unsupported(self, what: str):
+        raise NotImplementedError(what)
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self._cache.static:
+            return self._cache.max_cache_len, 0
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self._cache.max_cache_len if self._cache.static else -1
+
+    def get_max_cache_shape(self) -> int:  # the name of get_max_length before transformers 5.13
+        return self.get_max_length()
+
+    def reset(self) -> None:
+        self._cache.reset()
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        self.unsupported("batch_select_indices")
+
+
+class MLAPagedLayer(PagedLayerView):
     """One layer's pools. Token bookkeeping (block tables, lengths) is shared, on the parent cache."""
 
     is_sliding = False
@@ -106,34 +144,11 @@ class MLAPagedLayer(CacheLayerMixin):
             "MLAPagedCache stores the MLA latent through mla.scatter_pa_kv_cache in the patched attention "
             "(mla_ops.patch(model), whose cache is 'paged'); it has no per-head K/V to update")
 
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self._cache.static:
-            return self._cache.max_cache_len, 0
-        return self._cache.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return self._cache.max_cache_len if self._cache.static else -1
-
-    def get_max_cache_shape(self) -> int:  # the name of get_max_length before transformers 5.13
-        return self.get_max_length()
-
-    def reset(self) -> None:
-        self._cache.reset()
-
-    def reorder_cache(self, beam_idx) -> None:
-        unsupported("beam search (reorder_cache)")
+    def unsupported(self, what: str):
+        unsupported(what)
 
     def crop(self, tokens_to_remove: int) -> None:
         pass  # the parent cache crops the shared bookkeeping once (Cache.crop calls every layer)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        unsupported("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices) -> None:
-        unsupported("batch_select_indices")
 
 
 def unsupported(what: str):

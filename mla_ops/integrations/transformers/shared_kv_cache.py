@@ -31,9 +31,9 @@ import math
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from .paged_cache import DEFAULT_BLOCK_SIZE, MAX_INITIAL_TOKENS_PER_ROW, real_token_flags
+from .paged_cache import DEFAULT_BLOCK_SIZE, MAX_INITIAL_TOKENS_PER_ROW, PagedLayerView, real_token_flags
 from .shared_kv import rope_tables
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -46,7 +46,7 @@ def _unsupported(what: str):
         f"between rows. Use greedy or sampling generation, or mla_ops.patch(model, cache='dense') (stock's cache)")
 
 
-class SharedKvPagedLayer(CacheLayerMixin):
+class SharedKvPagedLayer(PagedLayerView):
     """One layer's pools and compressor states; the token bookkeeping is the parent cache's."""
 
     is_sliding = False
@@ -117,34 +117,8 @@ class SharedKvPagedLayer(CacheLayerMixin):
         raise NotImplementedError("SharedKvPagedCache is written by the ops in the patched attention "
                                   "(mla_ops.patch(model), whose cache is 'paged'), not by update()")
 
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self._cache.static:
-            return self._cache.max_cache_len, 0
-        return self._cache.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return self._cache.max_cache_len if self._cache.static else -1
-
-    def get_max_cache_shape(self) -> int:  # the name of get_max_length before transformers 5.13
-        return self.get_max_length()
-
-    def reset(self) -> None:
-        self._cache.reset()
-
-    def reorder_cache(self, beam_idx) -> None:
-        _unsupported("beam search (reorder_cache)")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        _unsupported("crop")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        _unsupported("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices) -> None:
-        _unsupported("batch_select_indices")
+    def unsupported(self, what: str):
+        _unsupported(what)
 
 
 @dataclasses.dataclass
