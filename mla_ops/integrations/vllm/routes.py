@@ -8,6 +8,9 @@ would serve the call is the one that was measured (the C++ `cpu_native` kernel o
 Ascend; never the reference composite). `HOST_KERNELS` holds those measurements, one row per host
 backend; `decide()` applies them.
 
+DeepSeek-V4 is decided by the same rule at model level (:mod:`mla_ops.integrations.vllm.v4_route`: vLLM's own
+DeepSeek-V4 path is kept wherever it can run).
+
 `MLA_OPS_VLLM_ROUTE` forces either choice (read in every process vLLM starts):
   auto      (default) the measured choice below, per host backend
   mla-ops   route every host backend the plugin knows, whatever was measured

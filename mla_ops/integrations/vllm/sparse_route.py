@@ -92,7 +92,8 @@ def install() -> str:
 def is_sparse_mla_model(model_config) -> bool:
     """Whether vLLM builds `model_config`'s attention as DeepSeek Sparse Attention over an MLA cache, i.e. asks
     the platform for a `use_sparse` MLA backend (`vllm/model_executor/models/deepseek_v2.py`: an MLA model
-    whose config has `index_topk`). DeepSeek-V4 is excluded: vLLM-cpu serves it with its own AMX kernels."""
+    whose config has `index_topk`). DeepSeek-V4 is excluded: its attention is not MLA over a latent cache, and
+    `v4_route` decides who serves it."""
     if model_config is None or not getattr(model_config, "use_mla", False):
         return False
     text_config = getattr(model_config, "hf_text_config", None)
