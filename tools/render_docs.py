@@ -248,6 +248,15 @@ def vllm_sparse(data: dict) -> tuple[Row, list[Row]]:
     return header, rows
 
 
+def vllm_v4(data: dict) -> tuple[Row, list[Row]]:
+    """`mla-ops bench vllm --family deepseek_v4`: the plugin's DeepSeek-V4 route in the engine (vLLM's own
+    DeepSeek-V4 path cannot run where it is taken, so there is no stock side)."""
+    header = ["context × batch", "time to first token s", "prefill tok/s", "decode step ms (median)", "decode tok/s"]
+    rows = [[f"{context(r['context'])} × {r['batch']}", f"{r['ttft_s']:.1f}", f"{r['prefill_tok_s']:.0f}",
+             ms(r["step_ms"]), tok_s(r["decode_tok_s"])] for r in data["rows"]]
+    return header, rows
+
+
 def _gb(value: float) -> str:
     return f"{value / 1e9:.1f} GB" if value < 1e12 else f"{value / 1e12:.1f} TB"
 
@@ -379,6 +388,7 @@ TABLES: dict[str, Table] = {
     "vllm-sparse-amx": Table("vllm_v32_attention.json", vllm_sparse),
     "vllm-sparse-amx-16k": Table("vllm_v32_attention_16k.json", vllm_sparse),
     "deepseek-v4-decode": Table("deepseek_v4.json", v4_decode),
+    "vllm-deepseek-v4": Table("vllm_deepseek_v4.json", vllm_v4),
     "deepseek-v4-decode-avx2": Table("deepseek_v4_avx2_only.json", v4_decode),
     "deepseek-v4-ops": Table("deepseek_v4.json", v4_ops),
     "deepseek-v4-vllm": Table("deepseek_v4.json", v4_vllm),
