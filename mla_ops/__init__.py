@@ -21,7 +21,9 @@ from .ops import (
     kv_prolog,
     latent_kv_prolog,
     lightning_indexer,
+    mha_prefill_attention,
     mla_decode_attention,
+    mla_prefill_attention,
     q_prolog,
     rms_norm,
     rope,
@@ -74,4 +76,5 @@ __all__ = [
     "scatter_pa_kv_cache", "gather_pa_kv_cache", "gather_pa_kv_cache_into", "mla_decode_attention",
     "scatter_pa_cache", "lightning_indexer", "sparse_mla_attention", "to_global_slots",
     "shared_kv_q_prolog", "shared_kv_prolog", "kv_compressor", "shared_kv_attention",
+    "mla_prefill_attention", "mha_prefill_attention",
 ]

@@ -74,3 +74,28 @@ def test_device_paths_never_touch_memory_out_of_bounds():
     assert torch.equal(key[:2], key_cache[1].view(2, 1, 3))  # valid block 1
     assert torch.equal(value[:2], value_cache[1].view(2, 1, 2))
     assert not key[2:].any() and not value[2:].any(), "rows of invalid blocks / columns are written as zeros"
+
+
+def test_mla_prefill_device_path_attends_only_cached_positions_whatever_the_values():
+    """The sync-free path of mla_prefill_attention on values the CPU checks refuse: block ids outside the
+    pool (77, -9), a length past the table's capacity, more query tokens than cached ones. It reads nothing
+    outside the caches (NaN sentinels around them would reach the output) and attends exactly the
+    positions the oracle can address: up to the token's own, within the length and the table, in a block
+    of the pool; a token left with none gets zeros."""
+    from mla_ops.ops.mla_prefill_attention import mla_prefill_attention_sync_free
+    from mla_ops.testing.oracles import mla_prefill_attention_oracle
+
+    _, key_cache = _guarded((4, 2, 1, 3), float("nan"))
+    _, value_cache = _guarded((4, 2, 1, 2), float("nan"))
+    key_cache.normal_(), value_cache.normal_()
+    tables = torch.tensor([[1, 77, -9], [2, 0, 3], [3, 1, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 1000, 1], dtype=torch.int32)
+    starts = torch.tensor([0, 2, 5, 7], dtype=torch.int32)  # 2, 3 and 2 query tokens
+    args = (torch.randn(7, 2, 3), torch.randn(7, 2, 2), key_cache, value_cache, tables, seq_lens, starts, 0.5)
+    got = mla_prefill_attention_sync_free(*args)
+    want = mla_prefill_attention_oracle(*args)[0]
+    assert bool(got.isfinite().all())
+    assert not got[5].any()  # position -1: nothing to attend
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 1000 needs 1000 cached tokens"):
+        torch.ops.mla.mla_prefill_attention(*args)

@@ -12,7 +12,9 @@ from utils import rope_tables
 @pytest.mark.slow
 @pytest.mark.parametrize("op,name", [("kv_prolog", "small-bias-half"), ("gather_pa_kv_cache",
                                                                         "cumsum-offset-uncovered-rows"),
-                                     ("mla_decode_attention", "ragged")])
+                                     ("mla_decode_attention", "ragged"),
+                                     ("mla_prefill_attention", "prefill-decode-chunk"),
+                                     ("mha_prefill_attention", "context-and-new")])
 def test_inductor_compile_matches_eager(op, name):
     """Inductor (not only Dynamo's graph capture, which tests/test_cases.py checks for every sample)
     runs the op inside a compiled graph with eager's results."""

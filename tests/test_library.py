@@ -17,7 +17,7 @@ from utils import SMALL, prolog_inputs, prolog_kwargs
 ALL_OPS = ("rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog", "scatter_pa_kv_cache",
            "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "mla_decode_attention", "scatter_pa_cache",
            "lightning_indexer", "sparse_mla_attention", "shared_kv_q_prolog", "shared_kv_prolog", "kv_compressor",
-           "shared_kv_attention")
+           "shared_kv_attention", "mla_prefill_attention", "mha_prefill_attention")
 
 
 def test_the_op_table_is_derived_from_the_op_modules():

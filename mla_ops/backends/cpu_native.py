@@ -14,12 +14,17 @@ Importing the extension registers its kernels on the dispatcher (static ``TORCH_
 C++ twin of the Python one, same messages), this backend's reasons (in C++ too; `mla_ops.explain`
 asks them through `torch.ops.mla_native.reasons`), the index-value checks (ValueError, nothing
 written) and the kernel. What the kernels do not serve (float64, gradcheck's dtype; decode,
-sparse-attention and shared-KV attention caches whose last dim is not unit-stride; a prolog rotating k_pe with
+sparse, prefill and shared-KV attention caches whose last dim is not unit-stride; a prolog rotating k_pe with
 rope_compute_dtype="activation" in fp16 / bf16; pair-major rotary tables; the "neox" layout; an
 rms_norm of a non-contiguous x, or with a weight neither in x's dtype nor float32) goes to
 the reference kernels, with the reason in `mla_ops.explain(...)`, or is refused when this backend was
 requested by name. Which of the three the C++ kernel does is the op's *route*, which the backend layer
 sets from the backend setting (`set_route`); nothing is registered or removed when the setting changes.
+
+`mha_prefill_attention` (expanded per-head keys and values) has no kernel here: its reference kernel on
+CPU is ATen's flash attention (`aten::_scaled_dot_product_flash_attention_for_cpu`), which ATen itself
+builds per ISA and vectorises, so a kernel of this backend would add nothing; `mla_ops.explain` names
+the reference for it.
 
 The extension is imported when `mla_ops` is (whether it imports decides the CPU route); it is our own
 and pulls in no optional package. A machine where it does not import keeps the reference kernels, and
@@ -52,9 +57,9 @@ ENV_AMX = "MLA_OPS_NATIVE_AMX"
 # The ops the extension serves from the dispatcher: one `register_native_op` line each in
 # csrc/cpu/registration.cpp (a test checks the two lists agree).
 NATIVE_OPS = (
-    "mla_decode_attention", "sparse_mla_attention", "lightning_indexer", "shared_kv_attention", "kv_prolog",
-    "latent_kv_prolog", "shared_kv_q_prolog", "shared_kv_prolog", "kv_compressor", "rms_norm", "gather_pa_kv_cache",
-    "gather_pa_kv_cache_functional", "scatter_pa_kv_cache", "scatter_pa_cache",
+    "mla_decode_attention", "sparse_mla_attention", "mla_prefill_attention", "lightning_indexer", "shared_kv_attention",
+    "kv_prolog", "latent_kv_prolog", "shared_kv_q_prolog", "shared_kv_prolog", "kv_compressor", "rms_norm",
+    "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "scatter_pa_kv_cache", "scatter_pa_cache",
 )
 
 _lock = threading.Lock()

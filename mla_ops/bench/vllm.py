@@ -113,7 +113,7 @@ def _model_heads(model: str | None, model_config: dict) -> int:
     return int(model_config.get("heads", 4))
 
 
-def _engine_attention_backend(dtype: str, attention_backend: str | None) -> str:
+def engine_attention_backend(dtype: str, attention_backend: str | None) -> str:
     """The CPU MLA backend vLLM will run: the one named, else vLLM's choice (AMX_MLA for bf16 on a CPU
     with AMX tiles, CPU_MLA otherwise; `vllm/platforms/cpu.py` `get_attn_backend_cls`)."""
     if attention_backend is not None:
@@ -148,7 +148,7 @@ def fitting_cases(cases, *, heads: int, dtype: str = "bfloat16", attention_backe
     """Split (context, batch) `cases` into those whose prefill fits in `headroom` x `memory_bytes`
     (default: the memory available now) and the rest. Returns (fitting cases, [{"context", "batch",
     "reason"}] for the others)."""
-    backend = _engine_attention_backend(dtype, attention_backend)
+    backend = engine_attention_backend(dtype, attention_backend)
     budget = headroom * (available_memory_bytes() if memory_bytes is None else memory_bytes)
     fit, skipped = [], []
     for context, batch in cases:

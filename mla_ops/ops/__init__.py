@@ -15,6 +15,8 @@ from .decode_attention import mla_decode_attention
 from .gather_pa_kv_cache import gather_pa_kv_cache, gather_pa_kv_cache_into
 from .kv_compressor import kv_compressor
 from .kv_prolog import kv_prolog, latent_kv_prolog
+from .mha_prefill_attention import mha_prefill_attention
+from .mla_prefill_attention import mla_prefill_attention
 from .q_prolog import q_prolog
 from .rms_norm import rms_norm
 from .rope import rope
@@ -27,6 +29,7 @@ for _module in _pkgutil.iter_modules(__path__):  # the op modules without a publ
     _importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["rms_norm", "rope", "kv_prolog", "latent_kv_prolog", "q_prolog", "scatter_pa_kv_cache", "gather_pa_kv_cache",
-           "gather_pa_kv_cache_into", "mla_decode_attention", "scatter_pa_cache", "lightning_indexer",
+           "gather_pa_kv_cache_into", "mla_decode_attention", "mla_prefill_attention", "mha_prefill_attention",
+           "scatter_pa_cache", "lightning_indexer",
            "sparse_mla_attention", "to_global_slots", "shared_kv_attention", "shared_kv_q_prolog",
            "shared_kv_prolog", "kv_compressor"]

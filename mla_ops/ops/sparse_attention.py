@@ -130,17 +130,22 @@ def check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, bloc
                            "topk_indices": topk_indices})
 
 
-def check_query_starts(op: str, starts: list[int], num_tokens: int) -> None:
-    """query_start_loc (as a list) runs from 0 to `num_tokens` without decreasing."""
+def check_starts(op: str, name: str, starts: list[int], total: int, counted: str) -> None:
+    """A cumulative count `name` (as a list) runs from 0 to `total` (the number of `counted`) without
+    decreasing."""
     if starts[0] != 0:
-        raise ValueError(f"mla.{op}: query_start_loc must start at 0, got query_start_loc[0] = {starts[0]}")
+        raise ValueError(f"mla.{op}: {name} must start at 0, got {name}[0] = {starts[0]}")
     for b in range(len(starts) - 1):
         if starts[b + 1] < starts[b]:
-            raise ValueError(f"mla.{op}: query_start_loc must never decrease, but query_start_loc[{b + 1}] = "
-                             f"{starts[b + 1]} < query_start_loc[{b}] = {starts[b]}")
-    if starts[-1] != num_tokens:
-        raise ValueError(f"mla.{op}: query_start_loc[-1] = {starts[-1]} must equal the number of query tokens "
-                         f"({num_tokens})")
+            raise ValueError(f"mla.{op}: {name} must never decrease, but {name}[{b + 1}] = "
+                             f"{starts[b + 1]} < {name}[{b}] = {starts[b]}")
+    if starts[-1] != total:
+        raise ValueError(f"mla.{op}: {name}[-1] = {starts[-1]} must equal the number of {counted} ({total})")
+
+
+def check_query_starts(op: str, starts: list[int], num_tokens: int) -> None:
+    """query_start_loc (as a list) runs from 0 to `num_tokens` without decreasing."""
+    check_starts(op, "query_start_loc", starts, num_tokens, "query tokens")
 
 
 def check_request_values(op: str, num_tokens: int, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,

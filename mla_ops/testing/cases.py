@@ -30,6 +30,8 @@ from .. import _library
 from ..ops.decode_attention import decode_sync_free
 from ..ops.gather_pa_kv_cache import gather_sync_free
 from ..ops.kv_compressor import kv_compressor_sync_free
+from ..ops.mha_prefill_attention import mha_prefill_attention_sdpa
+from ..ops.mla_prefill_attention import mla_prefill_attention_sync_free
 from ..ops.scatter_pa_kv_cache import scatter_pa_cache_sync_free, scatter_sync_free
 from ..ops.shared_kv_attention import shared_kv_attention_sync_free
 from ..ops.sparse_attention import INDEXER as INDEXER_OP
@@ -1023,6 +1025,188 @@ _register(OpCases("sparse_mla_attention", _sparse_samples, oracles.sparse_mla_at
 _register(OpCases("scatter_pa_cache", _scatter_one_pool_samples, oracles.scatter_pa_cache_oracle,
                   _scatter_one_pool_errors, bounds=EXACT, paths={"sync-free": scatter_pa_cache_sync_free},
                   selftest=("padding", "v2lite")))
+
+
+# ------------------------------------------------------------------------------------ MLA prefill
+def _mla_prefill_sample(name, d: Dims, dtype, seq_lens, q_lens, *, block_size=4, view=False, int64=False,
+                        seed=0) -> Sample:
+    """Requests holding `seq_lens` cached tokens of which the last `q_lens` are the call's query tokens."""
+    tables, lens, starts, num_blocks = _requests(seq_lens, q_lens, block_size, seed=seed)
+    tokens = int(starts[-1])
+    if view:
+        _, kc, vc = split_pool(num_blocks, block_size, d.L, d.R, dtype, seed=seed + 1)
+    else:
+        kc, vc, *_ = paged_case(num_blocks, block_size, [1], key_shape=(1, d.L), value_shape=(1, d.R), dtype=dtype,
+                                seed=seed + 1)
+    q_latent = _randn(tokens, d.N, d.L, dtype=dtype, seed=seed + 2)
+    q_pe = _randn(tokens, d.N, d.R, dtype=dtype, seed=seed + 3)
+    if int64:
+        tables, lens, starts = tables.long(), lens.long(), starts.long()
+    return Sample(name, (q_latent, q_pe, kc, vc, tables, lens, starts, (d.P + d.R) ** -0.5))
+
+
+def _mla_prefill_samples(dtype):
+    d = SMALL
+    return [
+        # a prefill from 0, a decode step, a chunk continuing a prefill
+        _mla_prefill_sample("prefill-decode-chunk", d, dtype, [7, 12, 10], [7, 1, 3]),
+        _mla_prefill_sample("split-pool-views-int64", d, dtype, [7, 12, 10], [7, 1, 3], view=True, int64=True,
+                            seed=4),
+        _mla_prefill_sample("block-size-1", d, dtype, [6, 3], [2, 1], block_size=1, seed=8),
+        _mla_prefill_sample("idle-request", d, dtype, [5, 3, 4], [5, 0, 1], seed=12),
+        _mla_prefill_sample("no-tokens", d, dtype, [3, 0], [0, 0]),
+        # more positions than one tile of the reference's online softmax (512), in blocks of 16
+        _mla_prefill_sample("long-context-tiles", d, dtype, [1100, 530], [3, 530], block_size=16, seed=16),
+        _mla_prefill_sample("v2lite-chunk", LITE, dtype, [300, 70], [40, 70], block_size=64, seed=20),
+    ]
+
+
+def _mla_prefill_unchecked_samples(dtype):
+    d = SMALL
+    requests = _zero_column_requests()
+    kc, vc, *_ = paged_case(2, 4, [1], key_shape=(1, d.L), value_shape=(1, d.R), dtype=dtype, seed=1)
+    q_latent, q_pe = _randn(1, d.N, d.L, dtype=dtype, seed=2), _randn(1, d.N, d.R, dtype=dtype, seed=3)
+    return [Sample("zero-column-table", (q_latent, q_pe, kc, vc, *requests.values(), (d.P + d.R) ** -0.5))]
+
+
+def _mla_prefill_errors():
+    op = "mla_prefill_attention"
+    requests = _request_base()
+    base = dict(q_latent=torch.randn(3, 2, 8), q_pe=torch.randn(3, 2, 4), key_cache=torch.randn(6, 4, 1, 8),
+                value_cache=torch.randn(6, 4, 1, 4), **requests, softmax_scale=0.5)
+
+    def call(**changes):
+        return Sample("", tuple(dict(base, **changes).values()))
+
+    return [
+        ErrorInput("q_latent-rank", call(q_latent=torch.randn(3, 16)), "q_latent", rf"{op}: q_latent must be 3-D"),
+        ErrorInput("q_pe-tokens", call(q_pe=torch.randn(2, 2, 4)), "q_pe",
+                   rf"{op}: q_pe tokens \(dim 0\) must equal q_latent's"),
+        ErrorInput("key_cache-heads", call(key_cache=torch.randn(6, 4, 2, 8)), "key_cache",
+                   rf"{op}: key_cache heads .* must be 1"),
+        ErrorInput("value_cache-dim", call(q_pe=torch.randn(3, 2, 5)), "value_cache",
+                   rf"{op}: value_cache dim .* must equal rope_dim"),
+        ErrorInput("value_cache-blocks", call(value_cache=torch.randn(5, 4, 1, 4)), "value_cache",
+                   rf"{op}: value_cache num_blocks"),
+        ErrorInput("q_pe-dtype", call(q_pe=torch.randn(3, 2, 4).double()), "q_pe", rf"{op}: q_pe has dtype"),
+        ErrorInput("key_cache-dtype", call(key_cache=torch.randn(6, 4, 1, 8).half()), "key_cache",
+                   rf"{op}: key_cache has dtype torch.float16"),
+        ErrorInput("empty-pool", call(key_cache=torch.randn(0, 4, 1, 8), value_cache=torch.randn(0, 4, 1, 4)),
+                   "key_cache", rf"{op}: key_cache needs at least one block"),
+        ErrorInput("scale-nan", call(softmax_scale=float("nan")), "softmax_scale",
+                   rf"{op}: softmax_scale must be a positive normal float32 number \(e\.g\. qk_head_dim"),
+        *_scale_errors(op, call),
+        *_request_errors(op, call),
+    ]
+
+
+_register(OpCases("mla_prefill_attention", _mla_prefill_samples, oracles.mla_prefill_attention_oracle,
+                  _mla_prefill_errors,
+                  # as mla_decode_attention: fp32 scores and softmax, P rounded to the activation dtype
+                  bounds=_eps_bounds(64, 2, 2), selftest=("prefill-decode-chunk", "v2lite-chunk"),
+                  paths={"sync-free": mla_prefill_attention_sync_free},
+                  unchecked_samples=_mla_prefill_unchecked_samples))
+
+
+def _starts(counts, int64: bool) -> Tensor:
+    starts = torch.zeros(len(counts) + 1, dtype=torch.int64 if int64 else torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
+    return starts
+
+
+def _mha_prefill_sample(name, dtype, q_lens, k_lens, *, heads=4, qk_dim=12, v_dim=8, views=False, int64=False,
+                        seed=0) -> Sample:
+    """Requests of `q_lens` query tokens over `k_lens` keys (context first, then the query tokens' own);
+    with `views`, k and v are column views of one [S, N, Dqk + Dv] tensor and q a column view of a wider one."""
+    tokens, keys = sum(q_lens), sum(k_lens)
+    if views:
+        q = _randn(tokens, heads, qk_dim + 5, dtype=dtype, seed=seed)[..., 5:]
+        kv = _randn(keys, heads, qk_dim + v_dim, dtype=dtype, seed=seed + 1)
+        k, v = kv[..., :qk_dim], kv[..., qk_dim:]
+    else:
+        q = _randn(tokens, heads, qk_dim, dtype=dtype, seed=seed)
+        k = _randn(keys, heads, qk_dim, dtype=dtype, seed=seed + 1)
+        v = _randn(keys, heads, v_dim, dtype=dtype, seed=seed + 2)
+    return Sample(name, (q, k, v, _starts(q_lens, int64), _starts(k_lens, int64), qk_dim ** -0.5))
+
+
+def _mha_prefill_samples(dtype):
+    return [
+        # a chunk over context, a decode-like token (q_len == k_len == 1), a chunk over context
+        _mha_prefill_sample("context-and-new", dtype, [5, 1, 3], [9, 1, 7]),
+        _mha_prefill_sample("no-context-square", dtype, [4, 6], [4, 6], seed=4),
+        _mha_prefill_sample("one-token-each", dtype, [1, 1], [17, 5], int64=True, seed=8),
+        # requests without query tokens, one with keys and one without
+        _mha_prefill_sample("idle-requests", dtype, [3, 0, 2, 0], [5, 4, 2, 0], seed=12),
+        _mha_prefill_sample("no-tokens", dtype, [0, 0], [3, 0], seed=16),
+        _mha_prefill_sample("v-head-wider-than-qk", dtype, [3, 2], [6, 2], qk_dim=8, v_dim=12, seed=20),
+        _mha_prefill_sample("strided-views-int64", dtype, [5, 1, 3], [9, 1, 7], views=True, int64=True, seed=24),
+        # DeepSeek-V2's head dims: 192 = 128 nope + 64 rope for q and k, 128 for v
+        _mha_prefill_sample("v2-dims", dtype, [40, 70], [300, 70], heads=16, qk_dim=192, v_dim=128, seed=28),
+    ]
+
+
+def _mha_prefill_errors():
+    op = "mha_prefill_attention"
+    i32 = torch.int32
+    base = dict(q=torch.randn(3, 2, 8), k=torch.randn(5, 2, 8), v=torch.randn(5, 2, 4),
+                query_start_loc=torch.tensor([0, 1, 3], dtype=i32), key_start_loc=torch.tensor([0, 3, 5], dtype=i32),
+                softmax_scale=0.5)
+
+    def call(**changes):
+        return Sample("", tuple(dict(base, **changes).values()))
+
+    return [
+        ErrorInput("q-dtype", call(q=torch.ones(3, 2, 8, dtype=i32)), "q", rf"{op}: q must be float32"),
+        ErrorInput("q-rank", call(q=torch.randn(3, 16)), "q", rf"{op}: q must be 3-D"),
+        ErrorInput("q-head-dim-0", call(q=torch.randn(3, 2, 0), k=torch.randn(5, 2, 0)), "q",
+                   rf"{op}: q head dim \(dim 2\) must be >= 1"),
+        ErrorInput("k-rank", call(k=torch.randn(5, 16)), "k", rf"{op}: k must be 3-D"),
+        ErrorInput("k-dtype", call(k=torch.randn(5, 2, 8).half()), "k", rf"{op}: k has dtype torch.float16"),
+        ErrorInput("k-heads", call(k=torch.randn(5, 3, 8)), "k", rf"{op}: k heads \(dim 1\) must equal q's"),
+        ErrorInput("k-head-dim", call(k=torch.randn(5, 2, 6)), "k", rf"{op}: k head dim \(dim 2\) must equal q's"),
+        ErrorInput("v-dtype", call(v=torch.randn(5, 2, 4).double()), "v", rf"{op}: v has dtype torch.float64"),
+        ErrorInput("v-keys", call(v=torch.randn(4, 2, 4)), "v", rf"{op}: v keys \(dim 0\) must equal k's"),
+        ErrorInput("v-heads", call(v=torch.randn(5, 1, 4)), "v", rf"{op}: v heads \(dim 1\) must equal q's"),
+        ErrorInput("v-head-dim-0", call(v=torch.randn(5, 2, 0)), "v", rf"{op}: v head dim \(dim 2\) must be >= 1"),
+        ErrorInput("query_start_loc-dtype", call(query_start_loc=torch.tensor([0.0, 1.0, 3.0])), "query_start_loc",
+                   rf"{op}: query_start_loc must be an int32"),
+        ErrorInput("key_start_loc-rank", call(key_start_loc=torch.tensor([[0, 3, 5]])), "key_start_loc",
+                   rf"{op}: key_start_loc must be 1-D"),
+        ErrorInput("key_start_loc-length", call(key_start_loc=torch.tensor([0, 5])), "key_start_loc",
+                   rf"{op}: key_start_loc length must equal query_start_loc's"),
+        ErrorInput("query_start_loc-empty", call(query_start_loc=torch.zeros(0, dtype=i32),
+                                                 key_start_loc=torch.zeros(0, dtype=i32)), "query_start_loc",
+                   rf"{op}: query_start_loc must have one entry per request plus one"),
+        ErrorInput("scale-zero", call(softmax_scale=0.0), "softmax_scale",
+                   rf"{op}: softmax_scale must be a positive normal float32 number \(e\.g\. qk_head_dim"),
+        *_scale_errors(op, call),
+        ErrorInput("query_start_loc-start", call(query_start_loc=torch.tensor([1, 2, 3], dtype=i32)), "query_start_loc",
+                   r"query_start_loc must start at 0, got query_start_loc\[0\] = 1", ValueError),
+        ErrorInput("query_start_loc-decreasing", call(query_start_loc=torch.tensor([0, 3, 2], dtype=i32)),
+                   "query_start_loc", r"query_start_loc must never decrease, but query_start_loc\[2\] = 2",
+                   ValueError),
+        ErrorInput("query_start_loc-end", call(query_start_loc=torch.tensor([0, 1, 2], dtype=i32)), "query_start_loc",
+                   r"query_start_loc\[-1\] = 2 must equal the number of query tokens \(3\)", ValueError),
+        ErrorInput("key_start_loc-start", call(key_start_loc=torch.tensor([2, 3, 5], dtype=i32)), "key_start_loc",
+                   r"key_start_loc must start at 0, got key_start_loc\[0\] = 2", ValueError),
+        ErrorInput("key_start_loc-end", call(key_start_loc=torch.tensor([0, 3, 4], dtype=i32)), "key_start_loc",
+                   r"key_start_loc\[-1\] = 4 must equal the number of keys \(5\)", ValueError),
+        ErrorInput("key_start_loc-near-2**63", call(key_start_loc=torch.tensor([0, 2**63 - 1, 5])), "key_start_loc",
+                   r"key_start_loc must never decrease, but key_start_loc\[2\] = 5 < key_start_loc\[1\] = "
+                   r"9223372036854775807", ValueError),
+        ErrorInput("fewer-keys-than-queries", call(key_start_loc=torch.tensor([0, 4, 5], dtype=i32)), "key_start_loc",
+                   r"request 1 has 2 query tokens \(query_start_loc\) but 1 keys \(key_start_loc\); its keys must "
+                   r"include its query tokens", ValueError),
+    ]
+
+
+_register(OpCases("mha_prefill_attention", _mha_prefill_samples, oracles.mha_prefill_attention_oracle,
+                  _mha_prefill_errors,
+                  # ATen's flash kernel: fp32 scores, softmax and accumulation, its output rounded to the
+                  # activation dtype; with context, two such outputs merged in fp32 and rounded once more
+                  bounds=_eps_bounds(64, 2, 2), selftest=("context-and-new", "v2-dims"),
+                  paths={"sdpa": mha_prefill_attention_sdpa}))
 
 
 # ------------------------------------------------------------------------------------ DeepSeek-V4

@@ -222,6 +222,52 @@ def sparse_mla_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_ta
     return (out,)
 
 
+# ------------------------------------------------------------------------------------ MLA prefill
+def mla_prefill_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                 softmax_scale):
+    """-> (o_latent [T, N, L],): per query token at position p (seq_lens[b] - q_b + i), softmax(scale *
+    (q_latent latent^T + q_pe k_pe^T)) latent over its request's cached positions 0..p, token by token (what a
+    token does not attend never enters its sums). A position whose block id is not in the pool, or past the
+    request's length (values only the unchecked device paths take), is skipped; a token left with no
+    position gets zeros."""
+    out = torch.zeros(q_latent.shape, dtype=torch.float64)
+    starts = [int(v) for v in query_start_loc]
+    for b, n in enumerate(int(v) for v in seq_lens):
+        first, q_len = starts[b], starts[b + 1] - starts[b]
+        if q_len == 0:
+            continue
+        rows = [(j, _pool_row(key_cache, block_tables, b, j)) for j in range(max(n, 0))]
+        rows = [(j, row) for j, row in rows if row is not None]
+        if not rows:
+            continue
+        positions = torch.tensor([j for j, _ in rows])
+        latent = torch.stack([row for _, row in rows])  # [K, L]
+        k_pe = torch.stack([_pool_row(value_cache, block_tables, b, j) for j, _ in rows])  # [K, R]
+        for i in range(q_len):
+            seen = positions <= n - q_len + i
+            if not bool(seen.any()):
+                continue
+            t = first + i
+            scores = (_f64(q_latent[t]) @ latent[seen].t() + _f64(q_pe[t]) @ k_pe[seen].t()) * softmax_scale
+            out[t] = torch.softmax(scores, dim=-1) @ latent[seen]
+    return (out,)
+
+
+def mha_prefill_attention_oracle(q, k, v, query_start_loc, key_start_loc, softmax_scale):
+    """-> (out [T, N, Dv],): per query token i of request b (q_b tokens, k_b keys) and head n,
+    softmax(scale * q k^T) v over the request's keys 0 .. k_b - q_b + i, token by token."""
+    out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float64)
+    query_starts, key_starts = [int(x) for x in query_start_loc], [int(x) for x in key_start_loc]
+    for b in range(len(query_starts) - 1):
+        q0, q_len = query_starts[b], query_starts[b + 1] - query_starts[b]
+        k0, k_len = key_starts[b], key_starts[b + 1] - key_starts[b]
+        for i in range(q_len):
+            keys = slice(k0, k0 + k_len - q_len + i + 1)
+            scores = torch.einsum("nd,knd->nk", _f64(q[q0 + i]), _f64(k[keys])) * softmax_scale
+            out[q0 + i] = torch.einsum("nk,knd->nd", torch.softmax(scores, dim=-1), _f64(v[keys]))
+    return (out,)
+
+
 # --------------------------------------------------------------------------------- DeepSeek-V4
 def _pool_row(pool, tables, b: int, j: int):
     """Row j of request b in a paged pool, or None when its block id is no block of the pool (values

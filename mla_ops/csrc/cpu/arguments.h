@@ -18,6 +18,10 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                      const at::Tensor& topk_indices, double softmax_scale);
+void check_mla_prefill_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                      double softmax_scale);
 void check_lightning_indexer_args(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   const at::Tensor& query_start_loc, int64_t topk, double softmax_scale,

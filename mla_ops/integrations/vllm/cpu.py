@@ -1,8 +1,10 @@
-"""vLLM's CPU MLA backend with its cache write and decode on `torch.ops.mla`.
+"""vLLM's CPU MLA backend with its cache write, decode and prefill on `torch.ops.mla`.
 
-Subclasses `vllm/v1/attention/backends/mla/cpu_mla.py` (`CPUMLABackend`, `CPUMLAImpl`) and changes two
-methods; everything else (metadata builder, the SDPA prefill `forward_mha`, weight absorption in
-`vllm/model_executor/layers/attention/mla_attention.py` `MLAAttention.forward_impl`) is vLLM's.
+Subclasses `vllm/v1/attention/backends/mla/cpu_mla.py` (`CPUMLABackend`, `CPUMLAImpl`) and changes three
+methods: the cache write, the decode (`forward_mqa`) and the prefill (`forward_mha`, :mod:`.prefill`: each
+request absorbed over the paged cache or expanded through kv_b_proj, with its cached context, so chunked
+prefill and prefix caching run). Everything else (metadata builder, weight absorption and the decode / prefill
+split in `vllm/model_executor/layers/attention/mla_attention.py` `MLAAttention.forward_impl`) is vLLM's.
 
 vLLM's MLA cache is one tensor `[num_blocks, block_size, L + R]` (latent ‖ rotated k_pe; 512 + 64 for
 DeepSeek-V2/V3). Its two column views `cache[..., :L].unsqueeze(2)` and `cache[..., L:].unsqueeze(2)`
@@ -20,6 +22,7 @@ with q_lora_rank set (DeepSeek-V2/V3) kv_a is also fused with q_a into one GEMM 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 
 import torch
@@ -27,12 +30,16 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 import mla_ops  # noqa: F401  (registers torch.ops.mla; a no-op when already imported)
 
+from . import prefill
 from .routes import serving_decode_backend
 
 logger = logging.getLogger("vllm.mla_ops")  # vLLM's handlers print its logger tree
 
 # (op, layer) -> calls in this process, layer = the attention module's prefix ("model.layers.3.self_attn").
-# Observability for tests and benchmarks: one dict update per layer call, negligible next to the ops.
+# The dense prefill adds what it served per layer and step: `prefill_tokens` (query tokens), `prefill_tokens_absorbed`
+# / `prefill_tokens_expanded` (by form), `prefill_context_tokens` (cached tokens attended besides the step's own)
+# and `prefill_steps_with_decodes` (steps whose batch also decoded). Observability for tests and benchmarks: a
+# few dict updates per layer call, negligible next to the ops.
 CALLS: Counter = Counter()
 
 
@@ -99,11 +106,13 @@ def _plugin_state() -> str:
 
 
 class MlaOpsMethods:
-    """The two methods the plugin replaces in vLLM's CPU MLA impls (CPU_MLA and AMX_MLA share them).
+    """The two methods the plugin replaces in vLLM's CPU MLA impls (CPU_MLA and AMX_MLA share them; AMX_MLA
+    keeps its own prefill, CPU_MLA's is :class:`MlaOpsCPUMLAImpl`'s).
 
     The first impl built in a process logs the route (one line per process and backend, not per layer)."""
 
     _announced: set = set()
+    prefill_route = "prefill stays vLLM's"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -111,8 +120,8 @@ class MlaOpsMethods:
         if backend not in MlaOpsMethods._announced:
             MlaOpsMethods._announced.add(backend)
             logger.info("mla-ops vLLM plugin: %s; %s decode -> torch.ops.mla.mla_decode_attention (served by "
-                        "%s), cache write -> torch.ops.mla.scatter_pa_kv_cache", _plugin_state(), backend,
-                        serving_decode_backend("cpu"))
+                        "%s), cache write -> torch.ops.mla.scatter_pa_kv_cache, %s", _plugin_state(), backend,
+                        serving_decode_backend("cpu"), self.prefill_route)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         assert attn_metadata.decode is not None
@@ -126,9 +135,49 @@ class MlaOpsMethods:
 
 
 class MlaOpsCPUMLAImpl(MlaOpsMethods, CPUMLAImpl):
-    """`CPUMLAImpl` whose decode is `mla.mla_decode_attention` and cache write `mla.scatter_pa_kv_cache`."""
+    """`CPUMLAImpl` whose decode is `mla.mla_decode_attention`, cache write `mla.scatter_pa_kv_cache` and
+    prefill `mla.mla_prefill_attention` / `mla.mha_prefill_attention` (:mod:`.prefill`)."""
 
     backend_name = "CPU_MLA"
+    prefill_route = ("prefill -> torch.ops.mla.mla_prefill_attention (absorbed) / torch.ops.mla.mha_prefill_attention "
+                     "(expanded) by cost")
+    # the MLAAttention layer that owns this impl (its W_UK_T / W_UV and _v_up_proj), found on first use
+    _attention_layer = None
+
+    def bind_layer(self, layer) -> None:
+        """Use `layer` (an `MLAAttention` whose `impl` is this impl) for the absorbed form's projections."""
+        self._attention_layer = weakref.ref(layer)
+
+    def attention_layer(self):
+        """The `MLAAttention` that owns this impl: vLLM hands `forward_mha` no layer, so it is looked up once in
+        the forward context's layers (vLLM's `static_forward_context`)."""
+        layer = self._attention_layer() if self._attention_layer is not None else None
+        if layer is None:
+            from vllm.forward_context import get_forward_context
+
+            layers = get_forward_context().no_compile_layers.values()
+            layer = next((m for m in layers if getattr(m, "impl", None) is self), None)
+            if layer is None:
+                raise RuntimeError(f"mla-ops vLLM backend: no attention layer of the forward context owns the "
+                                   f"impl of {layer_label(self)}")
+            self.bind_layer(layer)
+        return layer
+
+    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                    output_scale=None, **kwargs):
+        # kv_c_normed / k_pe are this step's latents, already in the cache (vLLM writes it before attention):
+        # both forms read them from there
+        if output_scale is not None:
+            raise NotImplementedError("mla-ops vLLM backend: the prefill has no fused output quantization "
+                                      "(output_scale)")
+        key_cache, value_cache = split_mla_cache(kv_c_and_k_pe_cache, self.kv_lora_rank)
+        ran = prefill.forward_mha(self, self.attention_layer(), q, key_cache, value_cache, attn_metadata.prefill,
+                                  output)
+        label = layer_label(self)
+        for name, n in ran.items():
+            CALLS[name, label] += n
+        if attn_metadata.num_decodes:
+            CALLS["prefill_steps_with_decodes", label] += 1
 
 
 class MlaOpsCPUMLABackend(CPUMLABackend):

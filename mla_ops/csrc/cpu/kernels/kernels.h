@@ -36,6 +36,15 @@ MLA_ISA_KERNEL(sparse_mla_attention,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const at::Tensor& topk_indices, double softmax_scale))
 
+// MLA prefill, causal: the request tensors and cache pair of sparse MLA; query token i of request b
+// (q_b tokens) sits at position seq_lens[b] - q_b + i and attends the request's positions 0 .. that one
+// -> o_latent [T, N, L] in q's dtype. Raises ValueError (the messages of the Python check_request_values)
+// before computing anything.
+MLA_ISA_KERNEL(mla_prefill_attention,
+               at::Tensor(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double softmax_scale))
+
 // DeepSeek-V4's attention core: q [T, H, D]; kv_cache [NB, bs, 1, D], one row per token that is key and
 // value of every head; the request tensors of sparse MLA; sinks [H] (fp32 or q's dtype) or none;
 // compressed_cache [NBc, bsc, 1, D] with compressed_block_tables [B, maxc], or none. The token at position
@@ -133,8 +142,8 @@ MLA_ISA_KERNEL(scatter_pa_cache, void(const at::Tensor& key, const at::Tensor& c
 // weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype), bit-identical to the reference kernel.
 MLA_ISA_KERNEL(rms_norm, at::Tensor(const at::Tensor& x, const at::Tensor& weight, double eps))
 
-// The tile engine mla_decode_attention / sparse_mla_attention run for these operands (after their
-// checks): "amx" (bf16 on AMX tiles through oneDNN's brgemm), "avx512_bf16" (vdpbf16ps) or "fp32".
+// The tile engine mla_decode_attention / sparse_mla_attention / mla_prefill_attention run for these operands
+// (after their checks): "amx" (bf16 on AMX tiles through oneDNN's brgemm), "avx512_bf16" (vdpbf16ps) or "fp32".
 MLA_ISA_KERNEL(attention_engine,
                std::string(const at::Tensor& q_latent, const at::Tensor& key_cache, const at::Tensor& value_cache))
 
