@@ -119,11 +119,15 @@ FAMILIES = {
     "mistral4": (f"{P}.mistral4.Mistral4Config", f"{P}.mistral4.Mistral4ForCausalLM",
                  _m(TOKENS, MLA, MOE, n_group=1, topk_group=1, first_k_dense_replace=1,
                     rope_parameters=yarn(llama_4_scaling_beta=0.1, max_position_embeddings=128))),
-    # multimodal wrapper (Pixtral vision tower); layer 1 is NoPE (no_rope_layers), learned rope alpha, softmax scaling
+    # multimodal wrapper (Pixtral vision tower); layers 1 and 3 are NoPE (no_rope_layers), layers 2 and 3 attend to
+    # the latent KV of layers 0 and 1 (kv_source_layers), layer 2 reuses layer 1's top-k while layer 3 runs its own
+    # indexer; learned rope alpha, a per-head log-position query scale
     "mistral_large4": (f"{P}.mistral_large4.MistralLarge4Config",
                        f"{P}.mistral_large4.MistralLarge4ForConditionalGeneration",
                        dict(text_config=_m(TOKENS, MLA, MOE, DSA, q_lora_rank=None, n_group=1, topk_group=1,
-                                           first_k_dense_replace=1, no_rope_layers=[1, 0],
+                                           num_hidden_layers=4, kv_source_layers=[0, 1, 0, 1],
+                                           indexer_types=["full", "full", "shared", "full"],
+                                           first_k_dense_replace=1, no_rope_layers=[1, 0, 1, 0],
                                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
                                                             "factor": 4.0, "original_max_position_embeddings": 32,
                                                             "beta_fast": 32.0, "beta_slow": 1.0,
@@ -133,29 +137,75 @@ FAMILIES = {
                             **TOKENS)),
     "youtu": (f"{P}.youtu.YoutuConfig", f"{P}.youtu.YoutuForCausalLM",
               _m(TOKENS, MLA, rope_interleave=True)),
+    # Sarvam-105B: a config of its own, the DeepSeek-V3 model (transformers' auto mapping builds
+    # DeepseekV3ForCausalLM for it); no q-LoRA, as its checkpoints
+    "sarvam_mla": (f"{P}.sarvam_mla.SarvamMLAConfig", f"{P}.deepseek_v3.DeepseekV3ForCausalLM",
+                   _m(TOKENS, MLA, MOE, q_lora_rank=None, first_k_dense_replace=1, rope_parameters=yarn())),
+    # Kimi-K2.5: a vision tower and a DeepSeek-V3 language model (AutoModel of its text config)
+    "kimi_k25": (f"{P}.kimi_k25.Kimi_K25Config", f"{P}.kimi_k25.Kimi_K25ForConditionalGeneration",
+                 dict(text_config=_m(TOKENS, MLA, MOE, model_type="deepseek_v3", n_group=2, topk_group=1,
+                                     first_k_dense_replace=1, rope_interleave=True, rope_parameters=yarn()),
+                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, patch_size=14, pos_emb_height=4, pos_emb_width=4),
+                      projection_hidden_size=32, image_token_id=VOCAB - 2, video_token_id=VOCAB - 1,
+                      vision_start_token_id=VOCAB - 4, vision_end_token_id=VOCAB - 3, tie_word_embeddings=False,
+                      **TOKENS)),
 }
 
 
 def mla_layers(config) -> int:
     """How many MLA attention layers a model of this config runs per forward, read off the config:
     the hybrids (Bailing-hybrid, Kimi-Linear) list their layer kinds in `layer_types`, of which the
-    "full_attention" ones are MLA (the sparse-attention families call theirs "indexed_attention");
+    "full_attention" ones are MLA (the sparse-attention families call theirs "indexed_attention", dots3_note
+    its windowed ones "sliding_attention");
     every other supported family is MLA in each of its `num_hidden_layers` (LongCat-Flash counts its
-    two MLA sublayers per decoder layer there)."""
+    two MLA sublayers per decoder layer there). A multimodal config is read through its text config."""
+    config = config.get_text_config(decoder=True)
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         return config.num_hidden_layers
-    return sum(kind in ("full_attention", "indexed_attention") for kind in layer_types)
+    return sum(kind in ("full_attention", "indexed_attention", "sliding_attention") for kind in layer_types)
 
 
 def indexer_layers(config) -> int:
     """How many layers run their own sparse-attention indexer (DeepSeek Sparse Attention), read off the
     config: every layer of a config with `index_topk`, less the "shared" ones of `indexer_types`
-    (GLM-5, HY-V4: they reuse the previous layer's top-k); 0 for dense attention."""
+    (GLM-5, HY-V4: they reuse the previous layer's top-k) and the layers `layer_types` does not call
+    "indexed_attention"; 0 for dense attention."""
+    config = config.get_text_config(decoder=True)
     if not getattr(config, "index_topk", None):
         return 0
     indexer_types = getattr(config, "indexer_types", None)
-    return indexer_types.count("full") if indexer_types else config.num_hidden_layers
+    if indexer_types:
+        return indexer_types.count("full")
+    layer_types = getattr(config, "layer_types", None)  # (dots3_note: "sliding_attention" layers have none)
+    return layer_types.count("indexed_attention") if layer_types else config.num_hidden_layers
+
+
+def latent_kv_owners(config) -> int:
+    """How many MLA layers compute and cache their own latent KV: all of them, but for the layers of
+    `kv_source_layers` that attend to an earlier layer's (Mistral-Large-4)."""
+    config = config.get_text_config(decoder=True)
+    sources = getattr(config, "kv_source_layers", None)
+    return mla_layers(config) if sources is None else sum(source == i for i, source in enumerate(sources))
+
+
+def rope_layers(config) -> int:
+    """How many MLA layers have rotary dims: all of them, but for the NoPE layers of `no_rope_layers`
+    (Mistral-Large-4, 0 = no RoPE)."""
+    config = config.get_text_config(decoder=True)
+    flags = getattr(config, "no_rope_layers", None)
+    return mla_layers(config) if flags is None else sum(flags[:config.num_hidden_layers])
+
+
+def ropeless_kv_owners(config) -> int:
+    """How many layers owning their latent KV have no rotary dims (their KV path is kv_a_proj + mla.rms_norm:
+    the prolog ops need rotary dims)."""
+    config = config.get_text_config(decoder=True)
+    flags, sources = getattr(config, "no_rope_layers", None), getattr(config, "kv_source_layers", None)
+    if flags is None:
+        return 0
+    return sum(not flags[i] and (sources is None or sources[i] == i) for i in range(config.num_hidden_layers))
 
 
 def load(path: str):

@@ -30,22 +30,46 @@ pytestmark = pytest.mark.slow
 INSTALLED = families.installed_mla_model_types()
 # What the patch must conclude from each family's structure (it reads the classes, not this table).
 SPARSE = {"axk2", "deepseek_v32", "dots3_note", "glm5_next", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4"}
-# DeepSeek-V3.2's forward and indexer (GLM-5: + cross-layer top-k sharing): served; the others refused
-SPARSE_SERVED = {"deepseek_v32", "glm_moe_dsa"}
+# DeepSeek-V3.2's forward and indexer (GLM-5: + cross-layer top-k sharing, AXK2: + a gate from the query
+# projection): served; the others refused
+SPARSE_SERVED = {"axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "mistral_large4"}
 SUPPORTED = [f for f in INSTALLED if f not in SPARSE or f in SPARSE_SERVED]
 HYBRID = {"bailing_hybrid", "kimi_linear"}  # linear-attention layers beside the MLA ones: no paged cache
 EXPECTED_ROPE = {"deepseek_v2": "interleaved", "deepseek_v3": "half", "axk1": "half", "glm4_moe_lite": "half",
                  "youtu": "half", "mistral4": "half", "bailing_hybrid": "half", "longcat_flash": "half",
-                 "minicpm3": "neox", "kimi_linear": None, "deepseek_v32": "half", "glm_moe_dsa": "half"}
+                 "minicpm3": "neox", "kimi_linear": None, "deepseek_v32": "half", "glm_moe_dsa": "half",
+                 "sarvam_mla": "half", "kimi_k25": "half", "axk2": "half", "mistral_large4": "half",
+                 "dots3_note": "half"}
 # Where each stock forward rounds its RoPE: DeepSeek-V2 multiplies complex fp32; the families on
 # DeepSeek-V3's forward rotate in the model's dtype; Kimi-Linear has none (NoPE: nothing to round).
 EXPECTED_ROUNDING = {f: "activation" for f in EXPECTED_ROPE} | {"deepseek_v2": "float32", "kimi_linear": "float32"}
-# LongCat-Flash scales the latent between kv_a_layernorm and kv_b_proj: the latent prolog, then kv_b.
-LATENT_PROLOG = {"longcat_flash"}
+# The roundings the ops are asked for in a half-precision model with "stock": the family's, and fp32 in dots3_note's
+# indexed layers, whose rotary tables its model makes in fp32 (the stock formula then promotes to fp32).
+STOCK_ROUNDINGS = {f: {rounding} for f, rounding in EXPECTED_ROUNDING.items()}
+STOCK_ROUNDINGS["dots3_note"] = {"activation", "float32"}
+# LongCat-Flash scales the latent between kv_a_layernorm and kv_b_proj, Mistral-Large-4 caches the latent (its
+# layers share it): the latent prolog, then kv_b.
+LATENT_PROLOG = {"longcat_flash", "mistral_large4"}
+# Mistral-Large-4's layers share one latent KV cache, which the patch computes with the prolog op only.
+NO_ROPE_ONLY = {"mistral_large4": "share one latent KV cache"}
+# What mla.q_prolog does not compute, refused with q_prolog=True: LongCat-Flash scales q between q_b_proj and
+# RoPE; AXK2 projects its query and output gate together from cat(q_resid, q_a).
+NO_Q_PROLOG = {"longcat_flash": "scales q between q_b_proj and RoPE", "axk2": "projects its query and output gate",
+               "dots3_note": "scales the normed q latent"}
+# dots3_note normalises k_pe before its RoPE: its KV path is kv_a_proj_with_mqa, mla.rms_norm on the latent and on
+# k_pe, and mla.rope on k_pe (no prolog op).
+KEY_ROPE_NORM = {"dots3_note"}
+
+
+def kv_path_op(family) -> str:
+    """The op a graph of the family's dense-mode KV path holds (its prolog op, or mla.rms_norm without one)."""
+    return "mla.rms_norm" if family in KEY_ROPE_NORM else "mla.latent_kv_prolog" if family in LATENT_PROLOG \
+        else "mla.kv_prolog"
 PROMPT_LEN, NEW_TOKENS = 12, 6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Prefill option sets (the paged cache is refused for the hybrids: see test_greedy_tokens_equal_to_stock).
-PREFILL_OPTIONS = {"kv_prolog+rope+rms_norm": dict(rope=True, rms_norm=True, cache="dense"),
+PREFILL_OPTIONS = {"kv_prolog": dict(cache="dense"),  # q_pe through the family's own RoPE function
+                   "kv_prolog+rope+rms_norm": dict(rope=True, rms_norm=True, cache="dense"),
                    "q_prolog": dict(q_prolog=True, cache="dense"),
                    "rope-only": dict(kv_prolog=False, rope=True, cache="dense"),
                    "paged": dict(rope=True, cache="paged")}
@@ -53,14 +77,21 @@ PREFILL_OPTIONS = {"kv_prolog+rope+rms_norm": dict(rope=True, rms_norm=True, cac
 
 def _model(family, attn="sdpa", seed=0, dtype=torch.float32, **overrides):
     config_path, model_path, kwargs = mla_families.FAMILIES[family]
-    kwargs = {**kwargs, **overrides}
+    if "text_config" in kwargs:  # a multimodal wrapper: the overrides are its language model's
+        kwargs = {**kwargs, "text_config": {**kwargs["text_config"], **overrides}}
+    else:
+        kwargs = {**kwargs, **overrides}
     torch.manual_seed(seed)
     config = mla_families.load(config_path)(**kwargs)
     config._attn_implementation = attn
     model = mla_families.load(model_path)(config).to(torch.float32).eval()
-    with torch.no_grad():  # non-trivial norm weights, so a skipped or misplaced norm shows
+    with torch.no_grad():  # non-trivial norm weights and query scales, so a skipped or misplaced one shows
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("softmax_scaling.scale"):  # Mistral-Large-4's log-position query scales
+                param.normal_(0.0, 0.3)
+            elif name.endswith("softmax_scaling.bias"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
         if getattr(config.get_text_config(), "index_topk", None):
             # The pad token's embedding is zero (padding_idx), so a generated pad token's first indexer
@@ -71,7 +102,12 @@ def _model(family, attn="sdpa", seed=0, dtype=torch.float32, **overrides):
 
 
 def _rms_norms(model) -> int:
-    return sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+    """The RMSNorm modules of the decoder (a multimodal wrapper's language model: its vision tower does not run
+    on text) that mla.rms_norm computes (AXK2's gated RMSNorm around one is not one)."""
+    from mla_ops.integrations.transformers.generation import decoder_stacks
+
+    return sum(type(m).__name__.endswith("RMSNorm") and families.norm_refusal(m) is None
+               for m in decoder_stacks(model)[0].modules())
 
 
 def expected_calls(family, model, options, forwards=1, decode_steps=0):
@@ -79,10 +115,13 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
     `decode_steps` are paged decode steps, from the config (MLA layers, RoPE or NoPE) and the options,
     never from a run. Per MLA layer and forward:
 
-    * dense: kv_prolog (latent_kv_prolog + the layer's kv_b for LongCat-Flash), unless kv_prolog=False;
+    * dense: kv_prolog (latent_kv_prolog + the layer's kv_b for LongCat-Flash and Mistral-Large-4), unless
+      kv_prolog=False; a layer sharing an earlier layer's latent KV computes none, a layer owning one without
+      rotary dims computes it with mla.rms_norm (Mistral-Large-4's NoPE layers);
       q_prolog with q_prolog=True, else mla.rope on q_pe with rope=True (and on k_pe without
       kv_prolog); NoPE rotates nothing;
-    * paged: latent_kv_prolog and scatter_pa_kv_cache every forward, q_pe through mla.rope, and
+    * paged: latent_kv_prolog (or mla.rms_norm, as above) and scatter_pa_kv_cache in every layer owning its
+      latent KV every forward, q_pe through mla.rope in every layer with RoPE, and
       mla_decode_attention in every decode step (never a dense kv_prolog, never the stock cache);
     * rms_norm=True: every RMSNorm module of the model once, except kv_a_layernorm (inside the prolog);
     * sparse attention, paged mode: lightning_indexer in every layer with its own indexer (not the "shared"
@@ -90,26 +129,38 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
       attends with sparse_mla_attention instead of mla_decode_attention. Dense mode selects with the
       stock indexer (no op call: its torch.topk choice among tied scores is stock's only that way).
     """
-    layers = mla_families.mla_layers(model.config)
-    indexed = mla_families.indexer_layers(model.config)
+    config = model.config
+    layers, owners = mla_families.mla_layers(config), mla_families.latent_kv_owners(config)
+    ropeless_owners = mla_families.ropeless_kv_owners(config)  # (their latent through mla.rms_norm)
+    rotating = mla_families.rope_layers(config) if EXPECTED_ROPE[family] is not None else 0
+    indexed = mla_families.indexer_layers(config)
     sparse = {"lightning_indexer": indexed} if indexed else {}
+    kv_norms = {"rms_norm": ropeless_owners} if ropeless_owners else {}
+    prolog_layers = owners - ropeless_owners
+    if family in KEY_ROPE_NORM:  # rms_norm on the latent and k_pe, rope on k_pe in place of the prolog op
+        kv_norms, prolog_layers = {"rms_norm": 2 * owners}, 0
+    k_rope = rotating if family in KEY_ROPE_NORM else 0
     per_forward = {}
     if options.get("cache") == "paged":
         scatter = {"scatter_pa_cache": indexed} if indexed else {}
-        per_forward = {"latent_kv_prolog": layers, "scatter_pa_kv_cache": layers, "rope": layers, **sparse, **scatter}
-        calls = {op: n * forwards for op, n in per_forward.items()}
+        per_forward = {"latent_kv_prolog": prolog_layers, "scatter_pa_kv_cache": owners, "rope": rotating + k_rope,
+                       **kv_norms, **sparse, **scatter}
+        calls = {op: n * forwards for op, n in per_forward.items() if n}
         decode = "sparse_mla_attention" if indexed else "mla_decode_attention"
         return {**calls, decode: layers * decode_steps} if decode_steps else calls
     kv_prolog = options.get("kv_prolog", True)
     if kv_prolog:
-        per_forward["latent_kv_prolog" if family in LATENT_PROLOG else "kv_prolog"] = layers
+        per_forward["latent_kv_prolog" if family in LATENT_PROLOG else "kv_prolog"] = prolog_layers
+        per_forward.update(kv_norms)
+        per_forward["rope"] = k_rope
     if options.get("q_prolog"):
         per_forward["q_prolog"] = layers
-    elif options.get("rope") and EXPECTED_ROPE[family] is not None:
-        per_forward["rope"] = layers * (1 if kv_prolog else 2)
-    if options.get("rms_norm"):
-        per_forward["rms_norm"] = _rms_norms(model) - layers
-    return {op: n * forwards for op, n in per_forward.items()}
+    elif options.get("rope"):
+        per_forward["rope"] = per_forward.get("rope", 0) + rotating * (1 if kv_prolog else 2)
+    if options.get("rms_norm"):  # every RMSNorm module but the KV path's (computed there)
+        kv_path_norms = owners * (2 if family in KEY_ROPE_NORM else 1)
+        per_forward["rms_norm"] = per_forward.get("rms_norm", 0) + _rms_norms(model) - kv_path_norms
+    return {op: n * forwards for op, n in per_forward.items() if n}
 
 
 def _prompt(batch=2, seed=1):
@@ -148,12 +199,12 @@ def test_family_is_recognised_by_structure(family):
 def test_the_rounding_of_each_familys_rope_is_read_off_its_function(family):
     """Which rope_compute_dtype reproduces the stock RoPE, found by running the family's RoPE function in
     bf16 and fp16; DeepSeek-V3 rounds the same for either of its two functions (the config's choice)."""
-    model = _model(family)
-    fam = families.describe(type(next(m for m in model.modules() if families.is_mla_attention(m))))
-    assert fam.stock_rope_compute_dtype(model.config) == EXPECTED_ROUNDING[family]
+    config = _model(family).config.get_text_config(decoder=True)
+    fam = families.families_of(family)[0]
+    assert fam.stock_rope_compute_dtype(config) == EXPECTED_ROUNDING[family]
     if fam.rope == "config":
-        model.config.rope_interleave = not model.config.rope_interleave
-        assert fam.stock_rope_compute_dtype(model.config) == EXPECTED_ROUNDING[family]
+        config.rope_interleave = not config.rope_interleave
+        assert fam.stock_rope_compute_dtype(config) == EXPECTED_ROUNDING[family]
     assert set(dict(fam.rope_rounding).values()) <= {EXPECTED_ROUNDING[family]}
 
 
@@ -189,12 +240,9 @@ def test_a_rope_function_is_checked_by_what_it_computes_not_its_name():
 
 # What each refused sparse family does that the ops do not compute, as its refusal must name it.
 SPARSE_REFUSALS = {
-    "axk2": "q_gate_proj",  # a fused query + output-gate projection over cat(q_resid, q_a)
-    "dots3_note": "k_rope_only_layernorm",  # a norm on k_pe, latent scales, a sliding window
     "glm5_next": "get_pooled_states",  # the indexer scores pooled "KeyPool" keys, not every cached key
     "hy_v4": "sinks",  # attention sinks and a gate (and a flipped indexer RoPE split)
     "hy_v4_vl": "sinks",
-    "mistral_large4": "is_kv_shared_layer",  # cross-layer KV sharing, a normed, position-scaled indexer query
 }
 
 
@@ -216,12 +264,16 @@ def test_prefill_logits_bit_identical(family, options, dtype):
     in bf16 and fp16 too — the paged prefill included (latent prolog, scatter, kv_b over the new tokens)."""
     model = _model(family, dtype=DTYPES[dtype])
     options = PREFILL_OPTIONS[options]
-    if options.get("q_prolog") and family == "longcat_flash":
-        with pytest.raises(ValueError, match="scales q between q_b_proj and RoPE"):
+    if options.get("q_prolog") and family in NO_Q_PROLOG:
+        with pytest.raises(ValueError, match=NO_Q_PROLOG[family]):
             mla_ops.patch(model, **options)
         return
     if options.get("cache") == "paged" and family in HYBRID:
         return  # refused: test_greedy_tokens_equal_to_stock
+    if options.get("kv_prolog") is False and family in NO_ROPE_ONLY:
+        with pytest.raises(ValueError, match=NO_ROPE_ONLY[family]):
+            mla_ops.patch(model, **options)
+        return
     ids = _prompt()
     with torch.no_grad():
         expected = model(ids).logits
@@ -231,7 +283,7 @@ def test_prefill_logits_bit_identical(family, options, dtype):
     assert calls.counts == expected_calls(family, model, options)
     assert torch.equal(got, expected)
     described = families.describe(type(next(m for m in model.modules() if families.is_mla_attention(m))))
-    assert described.rope_layout(model.config) == EXPECTED_ROPE[family]
+    assert described.rope_layout(model.config.get_text_config(decoder=True)) == EXPECTED_ROPE[family]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -293,11 +345,11 @@ def test_the_fp32_rotation_is_an_option(family):
     with torch.no_grad():
         expected = model(ids).logits
         for rounding in ("stock", "float32"):
-            with mla_ops.patch(model, rope=True, q_prolog=family not in LATENT_PROLOG,
+            with mla_ops.patch(model, rope=True, q_prolog=family not in NO_Q_PROLOG,
                                rope_compute_dtype=rounding, cache="dense"), MlaRoundings() as calls:
                 got = model(ids).logits
-            wanted = EXPECTED_ROUNDING[family] if rounding == "stock" else "float32"
-            assert calls.roundings and {d for _, d in calls.roundings} == {wanted}, calls.roundings
+            wanted = STOCK_ROUNDINGS[family] if rounding == "stock" else {"float32"}
+            assert calls.roundings and {d for _, d in calls.roundings} == wanted, calls.roundings
             assert torch.equal(got, expected) == (rounding == "stock" or EXPECTED_ROUNDING[family] == "float32")
 
 
@@ -340,7 +392,7 @@ def test_compile_fullgraph_keeps_the_ops_as_nodes(family):
             got = torch.compile(model, backend=capture, fullgraph=True)(ids, use_cache=False).logits
     assert len(capture.graphs) == 1
     targets = capture.call_targets()
-    assert any("mla.kv_prolog" in t or "mla.latent_kv_prolog" in t for t in targets), sorted(targets)[:20]
+    assert any(kv_path_op(family) in t for t in targets), sorted(targets)[:20]
     assert torch.equal(got, eager)
 
 
@@ -417,3 +469,44 @@ def test_ask_runs_a_saved_checkpoint_of_the_family(family, tmp_path):
         expected = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert json.loads(report.read_text())["answer"] == tokenizer.decode(expected[0, ids.shape[1]:],
                                                                         skip_special_tokens=True)
+
+
+# Each family's sigmoid output gate as its forward computes it: where g comes from and where it rounds.
+OUTPUT_GATES = {"bailing_hybrid": ("g_proj", "gate_float32"), "axk2": ("q_gate_proj", "product_float32"),
+                "hy_v4": ("gate_proj", "activation"), "dots3_note": ("g_proj", "activation")}
+
+
+@pytest.mark.parametrize("family", sorted(OUTPUT_GATES))
+def test_output_gates_are_read_off_the_forward(family):
+    (described,) = families.families_of(family)
+    assert (described.output_gate.module, described.output_gate.rounding) == OUTPUT_GATES[family]
+    assert described.output_gate.from_query == (family == "axk2")
+
+
+@pytest.mark.parametrize("family", ["axk2", "bailing_hybrid"])
+def test_the_output_gates_rounding_decides_bf16_logits(family):
+    """bf16: the gate rounded where the stock forward rounds gives stock's logits bit for bit; the same patch with
+    the product rounded elsewhere does not (so the rounding read off the forward is the one that matters). A bf16
+    sigmoid is the fp32 sigmoid rounded once, so "activation" and "gate_float32" differ only where the gate's
+    input is wider than the model's dtype; the product's rounding is what tells them from "product_float32"."""
+    import dataclasses
+
+    model = _model(family, dtype=torch.bfloat16)
+    ids = _prompt()
+    with torch.no_grad():
+        expected = model(ids).logits
+        with mla_ops.patch(model, rope=True, cache="dense"):
+            layers = [m for m in model.modules() if families.is_mla_attention(m)]
+            stock_patch = layers[0]._mla_ops_patch
+            assert torch.equal(model(ids).logits, expected)
+            stock_rounding = stock_patch.family.output_gate.rounding
+            others = {"activation", "gate_float32"} if stock_rounding == "product_float32" else {"product_float32"}
+            for rounding in others:
+                gate = dataclasses.replace(stock_patch.family.output_gate, rounding=rounding)
+                other = dataclasses.replace(stock_patch, family=dataclasses.replace(stock_patch.family,
+                                                                                    output_gate=gate))
+                for layer in layers:
+                    layer.__dict__["_mla_ops_patch"] = other
+                assert not torch.equal(model(ids).logits, expected), rounding
+            for layer in layers:
+                layer.__dict__["_mla_ops_patch"] = stock_patch

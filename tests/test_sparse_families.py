@@ -10,11 +10,11 @@ logits (`test_the_top_k_decides_the_logits`): a bit-identical logit means the sa
 """
 import pytest
 import torch
-from test_families import SPARSE_SERVED, _model, _prompt, expected_calls
+from test_families import NO_Q_PROLOG, NO_ROPE_ONLY, SPARSE_SERVED, _model, _prompt, expected_calls, kv_path_op
 
 import mla_ops
 from mla_ops.integrations import transformers as patch
-from mla_ops.integrations.transformers import MLAPagedCache, families, indexer
+from mla_ops.integrations.transformers import MLAPagedCache, families, generation, indexer, latent_layouts
 from mla_ops.testing.suites import GraphCapture
 
 import mla_families
@@ -24,8 +24,18 @@ pytestmark = pytest.mark.slow
 
 SERVED = sorted(SPARSE_SERVED & set(families.installed_mla_model_types()))
 # the RoPE layout of each indexer's own rotation (read off the function its forward calls)
-INDEXER_ROPE = {"deepseek_v32": "neox", "glm_moe_dsa": "half"}
+INDEXER_ROPE = {"axk2": "neox", "deepseek_v32": "neox", "dots3_note": "half", "glm_moe_dsa": "half",
+                "mistral_large4": "half"}
 NEW_TOKENS = 6
+
+
+def _text_config(model):
+    return model.config.get_text_config(decoder=True)
+
+
+def _decoder(model):
+    """The decoder stack (a multimodal wrapper's language model)."""
+    return generation.decoder_stacks(model)[0]
 
 
 def _padded_prompt():
@@ -46,7 +56,8 @@ def test_the_indexer_is_read_off_the_class(family):
     (described,) = families.families_of(family)
     assert described.refused is None and described.sparse
     assert described.indexer_layout() == INDEXER_ROPE[family]
-    assert described.shared_topk == (family == "glm_moe_dsa")
+    assert described.shared_topk == (family in ("glm_moe_dsa", "mistral_large4"))
+    assert described.indexer_input_query == (family == "mistral_large4")
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -62,7 +73,8 @@ def test_the_top_k_decides_the_logits(family):
 # (family, model seed, prompt seed) of a tiny model with 4 indexer heads keeping the top 4 of 24 tokens, its
 # weights N(0, 1): many scores are exactly 0 after the ReLU and tie across the 4th place, so the tie rule
 # decides the keys (the op's lowest-positions-first rule picks others: the paged prefill differs from stock)
-FEW_INDEXER_HEADS = {"deepseek_v32": (0, 1), "glm_moe_dsa": (1, 3)}
+FEW_INDEXER_HEADS = {"axk2": (0, 2), "deepseek_v32": (0, 1), "dots3_note": (0, 3), "glm_moe_dsa": (1, 3),
+                     "mistral_large4": (0, 1)}
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -94,6 +106,12 @@ def test_padded_prefill_logits_bit_identical(family, options, attn):
     queries select nothing, as the stock mask lets them see nothing), the indexer op in each indexer layer."""
     model = _model(family, attn=attn)
     ids, mask = _padded_prompt()
+    refusal = NO_Q_PROLOG.get(family) if options.get("q_prolog") else \
+        NO_ROPE_ONLY.get(family) if options.get("kv_prolog") is False else None
+    if refusal:
+        with pytest.raises(ValueError, match=refusal):
+            mla_ops.patch(model, **options)
+        return
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
         with mla_ops.patch(model, **options), MlaCalls() as calls:
@@ -152,7 +170,7 @@ def test_prompt_continued_in_a_second_forward(family):
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
         with mla_ops.patch(model, rope=True, cache="paged"), MlaCalls() as calls:
-            cache = MLAPagedCache(model.config, block_size=4)
+            cache = MLAPagedCache(_text_config(model), block_size=4, layouts=latent_layouts(model))
             first = model(ids[:, :7], attention_mask=mask[:, :7], cache=cache, use_cache=True).logits
             second = model(ids[:, 7:], attention_mask=mask, cache=cache, use_cache=True).logits
     got = torch.cat((first, second), dim=1)
@@ -173,10 +191,11 @@ def test_compiled_paged_decode_has_no_graph_break(family):
     indexer-key write and the sparse attention as graph nodes, and gives the eager step's logits."""
     model = _model(family)
     ids = _prompt(batch=1)
-    config = model.config
+    config = _text_config(model)
 
     def prefilled():
-        cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=32, block_size=4)
+        cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=32, block_size=4,
+                              layouts=latent_layouts(model))
         model(ids, cache=cache, position_ids=torch.arange(ids.shape[1])[None], use_cache=True)
         return cache
 
@@ -199,14 +218,16 @@ def test_compiled_dense_prefill_selects_as_stock(family):
     model = _model(family)
     ids = _prompt(batch=1)
     capture = GraphCapture()
+    q_prolog = family not in NO_Q_PROLOG
     with torch.no_grad():
         stock = model(ids, use_cache=False).logits
-        with mla_ops.patch(model, q_prolog=True, cache="dense"):
+        with mla_ops.patch(model, q_prolog=q_prolog, rope=not q_prolog, cache="dense"):
             torch._dynamo.reset()
             got = torch.compile(model, backend=capture, fullgraph=True)(ids, use_cache=False).logits
     assert len(capture.graphs) == 1
     targets = capture.call_targets()
-    assert {"mla.q_prolog", "mla.kv_prolog"} <= targets and "mla.lightning_indexer" not in targets
+    assert {"mla.q_prolog" if q_prolog else "mla.rope", kv_path_op(family)} <= targets
+    assert "mla.lightning_indexer" not in targets
     assert any("topk" in target for target in targets), sorted(targets)
     assert torch.equal(got, stock)
 
@@ -242,7 +263,7 @@ def test_dense_mode_serves_a_mask_of_packed_sequences_as_stock(family):
     indexer's, which scores against any mask, so the attention output is stock's bit for bit."""
     model = _model(family)
     ids = _prompt(batch=1)
-    attn = model.model.layers[0].self_attn
+    attn = _decoder(model).layers[0].self_attn
     seen = {}
 
     def record(module, args, kwargs):
@@ -267,10 +288,12 @@ def test_dense_mode_serves_a_mask_of_packed_sequences_as_stock(family):
 @pytest.mark.parametrize("family", SERVED)
 def test_paged_cache_keeps_indexer_keys_where_a_layer_has_an_indexer(family):
     model = _model(family)
-    config = model.config
-    cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=16, block_size=4, dtype=torch.float32)
+    config = _text_config(model)
+    layouts = latent_layouts(model)
+    cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=16, block_size=4, dtype=torch.float32,
+                          layouts=layouts)
     indexed = [layer.indexer_keys is not None for layer in cache.layers]
-    assert indexed == [layer.self_attn.indexer is not None for layer in model.model.layers]
+    assert indexed == [layer.self_attn.indexer is not None for layer in _decoder(model).layers]
     assert sum(indexed) == mla_families.indexer_layers(config)
     for layer in cache.layers:
         if layer.indexer_keys is not None:
@@ -278,9 +301,12 @@ def test_paged_cache_keeps_indexer_keys_where_a_layer_has_an_indexer(family):
         else:
             with pytest.raises(RuntimeError, match="holds no indexer keys"):
                 layer.indexer_pool
-    latent_bytes = (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+    # the latent pools of the layers owning theirs (a layer sharing an earlier layer's latent KV holds none)
+    latent_bytes = sum((layout.kv_lora_rank + layout.rope_dim) * 4 for i, layout in enumerate(layouts)
+                       if layout.source == i)
     report = cache.memory_report()
-    assert report["payload_bytes_per_token_per_layer"] == latent_bytes + config.index_head_dim * 4 * sum(indexed) / 2
+    assert report["payload_bytes_per_token_per_layer"] == (latent_bytes + config.index_head_dim * 4 * sum(indexed)) \
+        / len(layouts)
 
 
 @pytest.mark.parametrize("family", SERVED)

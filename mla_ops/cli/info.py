@@ -63,5 +63,7 @@ def _print_mla_families() -> None:
             continue
         for family in described:
             status = "supported" if family.refused is None else f"refused: {family.refused}"
+            if family.model_type != model_type:  # built from another family's classes
+                status += f" (the {family.model_type} attention)"
             layout = family.rope if family.rope != "config" else "config.rope_interleave"
             print(f"  {model_type:<18}{family.attention.__name__:<30}rope {layout:<24}{status}")

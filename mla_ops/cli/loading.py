@@ -106,13 +106,19 @@ def lite_dims_model(dtype: torch.dtype, device: torch.device, *, attn: str = "sd
 
 
 def is_supported_model_type(model_type) -> bool:
-    """Whether `ask --model-path` runs a checkpoint of `model_type` (imports that family's module only)."""
+    """Whether `ask --model-path` runs a checkpoint of `model_type` (imports that family's module only): a
+    family the patch supports whose checkpoints `AutoModelForCausalLM` loads (a multimodal wrapper such as
+    kimi_k25 has no causal-LM mapping)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     from ..integrations.transformers import families, shared_kv
 
     if model_type in DEEPSEEK_V2_TYPES:
         return True
     installed = families.installed_mla_model_types() + shared_kv.installed_shared_kv_model_types()
     if not isinstance(model_type, str) or model_type not in installed:
+        return False
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return False
     try:
         return all(f.refused is None for f in families.families_of(model_type))

@@ -1,6 +1,6 @@
 """transformers integration: route multi-head latent attention (DeepSeek-V2/V3, the MLA families
-built on them, and DeepSeek-V3.2 / GLM-5 sparse attention) and DeepSeek-V4's shared-KV attention
-through `torch.ops.mla`.
+built on them, and the sparse attention of DeepSeek-V3.2 and the families built on it) and DeepSeek-V4's
+shared-KV attention through `torch.ops.mla`.
 
     import mla_ops
     handle = mla_ops.patch(model)                  # paged latent cache, absorbed decode
@@ -26,7 +26,8 @@ from .releases import ALLOW_UNTESTED_ENV, SUPPORTED_TRANSFORMERS, check_transfor
 from .remote_code import is_remote_attention, remote_attention_forward
 
 __all__ = ["apply", "revert", "active_patches", "PatchHandle", "PatchOptions", "MLAPagedCache", "SharedKvPagedCache",
-           "CACHE_MODES", "SUPPORTED_TRANSFORMERS", "ALLOW_UNTESTED_ENV", "check_transformers_version",
+           "LatentLayout", "latent_layouts", "CACHE_MODES", "SUPPORTED_TRANSFORMERS", "ALLOW_UNTESTED_ENV",
+           "check_transformers_version",
            "is_mla_attention", "is_remote_attention", "mla_attention_forward", "remote_attention_forward",
            "rms_norm_forward", "cache_bytes_per_token_per_layer", "MlaFamily", "describe", "families_of",
            "installed_mla_model_types"]
@@ -35,10 +36,14 @@ __all__ = ["apply", "revert", "active_patches", "PatchHandle", "PatchOptions", "
 def __getattr__(name):
     # The paged cache subclasses transformers' Cache API of 4.56+; imported on first use, so the
     # package imports beside any transformers (the hub remote code runs on 4.45).
-    if name in ("MLAPagedCache", "cache_bytes_per_token_per_layer"):
+    if name in ("MLAPagedCache", "LatentLayout", "cache_bytes_per_token_per_layer"):
         from . import paged_cache
 
         return getattr(paged_cache, name)
+    if name == "latent_layouts":
+        from .generation import latent_layouts
+
+        return latent_layouts
     if name == "SharedKvPagedCache":
         from .shared_kv_cache import SharedKvPagedCache
 

@@ -21,21 +21,44 @@ each marked by one name the forward uses:
 * both of the last two and `rope_interleave`: the config chooses, per model;
 * no RoPE function: NoPE (Kimi-Linear), the rope dims pass through (identity tables);
 * `mla_scale_q_lora` / `mla_scale_kv_lora`: LongCat's scales on q and the latent, applied where stock does;
-* `g_proj`: Bailing's per-head sigmoid output gate, applied before o_proj;
+* `q_lora_scale` / `kv_lora_scale`: dots3_note's scales on the normed q-LoRA latent (the indexer's input too)
+  and the normed KV latent;
+* `k_rope_only_layernorm`: dots3_note's RMSNorm on k_pe before RoPE: the KV path is then kv_a_proj_with_mqa,
+  mla.rms_norm on the latent and on k_pe, mla.rope on k_pe (mla.latent_kv_prolog has no norm on k_pe);
+* `sliding_window`: sliding-window layers (dots3_note): the model's own windowed mask in the dense mode and a
+  fresh paged prefill; a paged decode attends to the last `sliding_window` cached tokens through
+  mla.sparse_mla_attention, a paged prefill on a cached prefix windows its own mask;
+* an output gate (`OutputGate`), a per-head sigmoid gate on the attention output before o_proj, marked by
+  its projection: `g_proj` (Bailing, dots3_note: a projection of the layer input, one gate per head),
+  `gate_proj` (HY-V4: one per head and value channel) or `q_gate_proj` (AXK2: the trailing v_head_dim of
+  each head of one projection that also gives the query, over cat(q_a_layernorm(q_a), q_a)); where the
+  stock forward rounds it is read off its code (`output_gate_rounding`);
 * `get_llama_4_attn_scale`: Mistral-4's position-dependent query scale;
+* `softmax_scaling`: Mistral-Large-4's per-head log-position query scale, scale_h * log(pos + 1) + bias_h (the
+  layer's own module, applied after RoPE as stock applies it);
+* `use_rope`: RoPE in some layers only; a NoPE layer (Mistral-Large-4) has no rotary dims at all;
+* `is_kv_shared_layer`: a latent KV cache shared across layers (Mistral-Large-4's `kv_source_layers`): a layer
+  attends to an earlier layer's cached latent and k_pe through its own kv_b_proj, handed on in the forward's
+  `shared_kv_states`; the dense mode then caches the latent as stock does;
 * `expand_kv`: the stock cache holds the latent (transformers >= 5.15; matters for rope=True with
   kv_prolog=False, which keeps the stock KV path);
 * `pad`: DeepSeek-V2 of 4.54 - 5.23 pads V to the qk head dim for flash attention; padded the same way;
 * `indexer`: DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer module scores the cached
   keys and each query attends to its top-k only (`MlaFamily.indexer`, see `describe_indexer`); with a
   `prev_topk_indices` parameter, layers of `config.indexer_types` "shared" reuse the previous layer's
-  top-k (`MlaFamily.shared_topk`).
+  top-k (`MlaFamily.shared_topk`). Mistral-Large-4's indexer, which has no q-LoRA latent to read, takes its
+  query from the layer input: wq_b(q_input_norm(x)), scaled by its own log-position scale, rotated only in RoPE
+  layers (`MlaFamily.indexer_input_query`).
 
 An indexer is served when its class's forward is DeepSeek-V3.2's: q = wq_b(q_resid), k = k_norm(wk(x)),
 the RoPE function it names on their first qk_rope_head_dim dims, the key through
 `cache.update_indexer`, scores sum_h w_h * relu(softmax_scale * q_h.k) with w = weights_proj(x) *
 n_heads**-0.5, masked by the attention mask, top-k: what `mla.lightning_indexer` computes. One that uses
 any other name (pooled keys, a query norm, shared KV, ...) is refused with those names.
+
+Model types are found by the classes their models build (`installed_mla_model_types`): their own modeling
+module's, or another family's (`borrowed_model_types`: a configuration whose auto-mapped model is DeepSeek-V3's,
+a multimodal wrapper whose language model is).
 
 Each RoPE function is also run on a small random input: in fp32 to check it rotates the way its
 layout says, and in bf16 and fp16 to find where it rounds, i.e. which mla `rope_compute_dtype`
@@ -76,9 +99,14 @@ ROPE_FUNCTIONS = {  # the stock function -> the layout mla.rope / mla.kv_prolog 
 FEATURES = {  # feature -> (the name that marks it, every name its code uses)
     "config_rope_interleave": ("rope_interleave", {"rope_interleave"}),
     "lora_scales": ("mla_scale_q_lora", {"mla_scale_q_lora", "mla_scale_kv_lora"}),
-    "output_gate": ("g_proj", {"g_proj", "sigmoid", "float", "dtype", "unsqueeze"}),
     "query_position_scale": ("get_llama_4_attn_scale", {"get_llama_4_attn_scale", "rope_parameters", "get", "dtype"}),
     "latent_stock_cache": ("expand_kv", {"expand_kv"}),
+    "query_log_position_scale": ("softmax_scaling", {"softmax_scaling"}),
+    "latent_scales": ("q_lora_scale", {"q_lora_scale", "kv_lora_scale"}),
+    "key_rope_norm": ("k_rope_only_layernorm", {"k_rope_only_layernorm"}),
+    "sliding_window": ("sliding_window", {"sliding_window"}),
+    "layer_rope": ("use_rope", {"use_rope"}),
+    "shared_latent_kv": ("is_kv_shared_layer", {"is_kv_shared_layer", "store_full_length_kv"}),
     # DeepSeek-V2 of 4.54 - 5.x pads V to the qk head dim for flash-attention kernels itself
     "flash_value_padding": ("pad", {"pad", "F", "is_flash_attention_requested"}),
 }
@@ -96,9 +124,47 @@ INDEXER_NAMES = frozenset({
     "squeeze", "to", "topk", "torch", "transpose", "unsqueeze", "update_indexer", "view", "weight", "weights_proj",
     "wk", "wq_b",
 })
+# An output gate's projection (the name marking it) -> every name its code uses beside it.
+OUTPUT_GATES = {"g_proj": {"g_proj"}, "gate_proj": {"gate_proj", "gate_projection_size"},
+                "q_gate_proj": {"q_gate_proj"}}
+OUTPUT_GATE_NAMES = frozenset({"sigmoid", "float", "dtype", "unsqueeze", "to"})
+GATE_ROUNDINGS = ("activation", "gate_float32", "product_float32")
+# What some names beyond the vocabulary stand for, so a refusal says what is not computed (transformers 5.24).
+UNREPRODUCED = {
+    "sinks": "per-head attention sinks, a learned logit in every softmax denominator, which mla.mla_decode_attention "
+             "and mla.sparse_mla_attention take no input for",
+    "is_kv_shared_layer": "a latent KV cache shared across layers",
+    "softmax_scaling": "a per-head log-position query scale",
+    "use_rope": "RoPE in some layers only",
+    "get_pooled_states": "indexer keys pooled over blocks of tokens, not every cached key mla.lightning_indexer scores",
+    "build_attention_mask_from_topk": "an attention mask built from the top-k of earlier layers",
+    "q_input_norm": "an indexer query from the normed layer input",
+}
+# What an indexer taking its query from the layer input adds (Mistral-Large-4: no q-LoRA latent to read).
+INDEXER_INPUT_QUERY_NAMES = frozenset({"q_input_norm", "softmax_scaling", "use_rope"})
 MLA_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 # The RMSNorm forward the ops reproduce (fp32 variance, weight * normed.to(input dtype)).
 RMS_NORM_NAMES = frozenset({"dtype", "to", "torch", "float32", "pow", "mean", "rsqrt", "variance_epsilon", "weight"})
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputGate:
+    """A per-head sigmoid gate on the attention output before o_proj, o * sigmoid(g), as one family computes it.
+
+    `module`: the projection g comes from: one of the layer input (`g_proj`, `gate_proj`), or `q_gate_proj`, a
+    projection of cat(q_a_layernorm(q_a), q_a) giving each head's query and then its gate (`from_query`). The
+    gate's shape is read off the projection when it runs: one gate per head (g [B, S, N]) or one per head and
+    value channel (g [B, S, N*V]). `rounding`, read off the stock forward's code (`output_gate_rounding`):
+    "activation" (sigmoid and product in the model's dtype), "gate_float32" (the sigmoid of g in fp32, rounded
+    to the model's dtype, then the product), "product_float32" (sigmoid and product in fp32, rounded once)."""
+
+    module: str
+    rounding: str
+
+    @property
+    def from_query(self) -> bool:
+        """The gate is part of the query projection (the query path computes it)."""
+        return self.module == "q_gate_proj"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +176,8 @@ class MlaFamily:
     RoPE function the forward calls: the mla `rope_compute_dtype` that reproduces its rounding bit for
     bit in bf16 and fp16 ("float32" | "activation"), None where neither does. `parameters`: the stock
     forward's parameter names after `self`, in order (positional calls are mapped onto them).
-    `indexer`: the sparse-attention indexer's RoPE function (the name in the modeling module; None:
+    `output_gate`: the family's sigmoid output gate (None: none). `indexer`: the sparse-attention indexer's RoPE
+    function (the name in the modeling module; None:
     dense attention). `shared_topk`: the forward takes `prev_topk_indices` and returns its top-k third
     (GLM-5's cross-layer sharing). `refused`: why it cannot be patched (None when it can). `shared_kv`:
     DeepSeek-V4's shared-KV attention (one K=V row per token, compressors, sinks; served by `shared_kv`,
@@ -122,14 +189,28 @@ class MlaFamily:
     parameters: tuple[str, ...]
     rope_rounding: tuple[tuple[str, Optional[str]], ...] = ()
     lora_scales: bool = False
-    output_gate: bool = False
+    output_gate: Optional[OutputGate] = None
     query_position_scale: bool = False
     latent_stock_cache: bool = False
     flash_value_padding: bool = False
+    query_log_position_scale: bool = False
+    layer_rope: bool = False
+    shared_latent_kv: bool = False
+    latent_scales: bool = False
+    key_rope_norm: bool = False
+    sliding_window: bool = False
     indexer: Optional[str] = None
+    indexer_input_query: bool = False
     shared_topk: bool = False
     refused: Optional[str] = None
     shared_kv: bool = False
+
+    @property
+    def fused_kv_prolog(self) -> bool:
+        """Whether mla.kv_prolog computes this family's whole KV path (kv_a -> norm -> kv_b -> RoPE); else the dense
+        mode runs `latent_prolog`, the family's latent steps and kv_b (LongCat-Flash's and dots3_note's latent scales,
+        dots3_note's norm on k_pe)."""
+        return not (self.lora_scales or self.latent_scales or self.key_rope_norm)
 
     @property
     def sparse(self) -> bool:
@@ -162,17 +243,21 @@ class MlaFamily:
         layout = self.rope_layout(config)
         return dict(self.rope_rounding).get(layout) or "float32"
 
-    def model_classes(self) -> tuple[Optional[type], Optional[type]]:
-        """(the decoder `*Model`, the `*ForCausalLM`) of this family's modeling module, for a class-level
-        paged patch (an instance patch finds the decoder in the model itself)."""
-        from transformers import PreTrainedModel
+    def model_classes(self) -> tuple[Optional[type], tuple[type, ...]]:
+        """(the decoder stack class of this family's modeling module (its `__init__` builds `embed_tokens` and
+        `layers`), the classes that generate (GenerationMixin: a causal LM, a multimodal wrapper)), for a
+        class-level paged patch (an instance patch finds the decoder in the model itself)."""
+        from transformers import GenerationMixin, PreTrainedModel
 
         classes = [obj for obj in vars(self.modeling).values() if isinstance(obj, type)
                    and obj.__module__ == self.modeling.__name__ and issubclass(obj, PreTrainedModel)]
-        decoder = next((c for c in classes if c.__name__.endswith("Model")
-                        and not c.__name__.endswith("PreTrainedModel")), None)
-        causal_lm = next((c for c in classes if c.__name__.endswith("ForCausalLM")), None)
-        return decoder, causal_lm
+        decoder = next((c for c in classes if {"embed_tokens", "layers"} <= set(_init_names(c))), None)
+        return decoder, tuple(c for c in classes if issubclass(c, GenerationMixin))
+
+
+def _init_names(cls: type) -> tuple:
+    code = getattr(cls.__dict__.get("__init__"), "__code__", None)
+    return code.co_names if code is not None else ()
 
 
 def _forward_names(cls: type) -> frozenset:
@@ -208,16 +293,28 @@ def describe(cls: type) -> MlaFamily:
     for feature, (_, used) in FEATURES.items():
         if features[feature]:
             known |= used
+    gates = sorted(names & OUTPUT_GATES.keys())
+    output_gate = refused = None
+    if gates:
+        known |= OUTPUT_GATE_NAMES | set().union(*(OUTPUT_GATES[g] for g in gates))
+        rounding = output_gate_rounding(cls)
+        if len(gates) > 1 or rounding is None:
+            refused = (f"its output gate ({', '.join(gates)}) is not one sigmoid gate rounded as "
+                       f"{', '.join(GATE_ROUNDINGS)} (see families.OutputGate)")
+        else:
+            output_gate = OutputGate(gates[0], rounding)
     sparse = "indexer" in names
     shared_topk = sparse and SHARED_TOPK_PARAMETER in parameters
     if sparse:
         known |= SPARSE_FORWARD_NAMES | ({"ValueError"} if shared_topk else set())
     unknown = sorted(names - known)
-    refused = indexer = None
+    indexer = None
     if unknown:
-        refused = f"its forward uses {', '.join(unknown)}, which the patch does not reproduce"
+        used = f"its forward uses {explain_names(unknown)}, which the patch does not reproduce"
+        refused = f"{refused}; {used}" if refused else used
+    indexer_input_query = False
     if sparse:
-        indexer, indexer_refusal = describe_indexer(cls)
+        indexer, indexer_refusal, indexer_input_query = describe_indexer(cls)
         reasons = [r for r in (refused, indexer_refusal) if r]
         refused = f"sparse attention: {'; '.join(reasons)}" if reasons else None
         indexer = None if refused else indexer  # (`sparse`: served through the indexer op)
@@ -236,11 +333,46 @@ def describe(cls: type) -> MlaFamily:
     rounding = () if refused else tuple((ROPE_FUNCTIONS[name], stock_rope_rounding(sys.modules[module], name))
                                         for name in rope_functions)
     return MlaFamily(attention=cls, model_type=model_type, rope=rope, parameters=parameters, rope_rounding=rounding,
-                     lora_scales=features["lora_scales"], output_gate=features["output_gate"],
+                     lora_scales=features["lora_scales"], output_gate=output_gate,
                      query_position_scale=features["query_position_scale"],
                      latent_stock_cache=features["latent_stock_cache"],
-                     flash_value_padding=features["flash_value_padding"], indexer=indexer, shared_topk=shared_topk,
-                     refused=refused)
+                     flash_value_padding=features["flash_value_padding"],
+                     query_log_position_scale=features["query_log_position_scale"], layer_rope=features["layer_rope"],
+                     shared_latent_kv=features["shared_latent_kv"], latent_scales=features["latent_scales"],
+                     key_rope_norm=features["key_rope_norm"], sliding_window=features["sliding_window"],
+                     indexer=indexer,
+                     indexer_input_query=indexer_input_query, shared_topk=shared_topk, refused=refused)
+
+
+def explain_names(names) -> str:
+    """The names a forward uses beyond what the patch reproduces, each with what it stands for where known."""
+    return ", ".join(f"{name} ({UNREPRODUCED[name]})" if name in UNREPRODUCED else name for name in names)
+
+
+def output_gate_rounding(cls: type) -> Optional[str]:
+    """Where `cls.forward` rounds its sigmoid output gate (one of GATE_ROUNDINGS; None: not one sigmoid),
+    read off its bytecode: the expression from the `sigmoid` to the store of its result. No `float` there:
+    sigmoid and product in the model's dtype ("activation"); `float`, then `.to` before any product: the fp32
+    sigmoid rounded, then multiplied ("gate_float32"); `float`, a product, then `.to`: "product_float32"."""
+    import dis
+
+    instructions = list(dis.get_instructions(inspect.unwrap(cls.forward)))
+    starts = [i for i, instruction in enumerate(instructions) if instruction.argval == "sigmoid"]
+    if len(starts) != 1:
+        return None
+    expression = []
+    for instruction in instructions[starts[0]:]:
+        if instruction.opname.startswith("STORE"):
+            break
+        multiply = instruction.opname == "BINARY_MULTIPLY" or (instruction.opname == "BINARY_OP"
+                                                                and instruction.argrepr == "*")
+        expression.append("*" if multiply else instruction.argval)
+    if "float" not in expression:
+        return "activation"
+    if "to" not in expression:
+        return None
+    before_round = expression[:expression.index("to")]
+    return "product_float32" if "*" in before_round else "gate_float32"
 
 
 def indexer_classes(cls: type) -> list:
@@ -253,25 +385,27 @@ def indexer_classes(cls: type) -> list:
             and "update_indexer" in _forward_names(c)]
 
 
-def describe_indexer(cls: type) -> tuple[Optional[str], Optional[str]]:
-    """(the indexer's RoPE function name, None) for a DeepSeek-V3.2 indexer the patch reproduces, else
-    (None, why not): read off the indexer class's forward, as the attention's is."""
+def describe_indexer(cls: type) -> tuple[Optional[str], Optional[str], bool]:
+    """(the indexer's RoPE function name, None, whether its query comes from the layer input) for a
+    DeepSeek-V3.2 indexer the patch reproduces, else (None, why not, False): read off the indexer class's
+    forward, as the attention's is."""
     classes = indexer_classes(cls)
     if len(classes) != 1:
         return None, (f"its indexer is not one module class writing cache.update_indexer "
-                      f"(found {[c.__name__ for c in classes]})")
+                      f"(found {[c.__name__ for c in classes]})"), False
     indexer_cls = classes[0]
     names = _forward_names(indexer_cls)
     rope = sorted(names & ROPE_FUNCTIONS.keys())
-    unknown = sorted(names - INDEXER_NAMES - set(rope))
+    input_query = "q_input_norm" in names
+    unknown = sorted(names - INDEXER_NAMES - set(rope) - (INDEXER_INPUT_QUERY_NAMES if input_query else set()))
     if unknown:
-        return None, (f"its indexer ({indexer_cls.__name__}) uses {', '.join(unknown)}, beyond "
+        return None, (f"its indexer ({indexer_cls.__name__}) uses {explain_names(unknown)}, beyond "
                       f"DeepSeek-V3.2's score sum_h w_h * relu(scale * q_h.k) over every cached key that "
-                      f"mla.lightning_indexer computes")
+                      f"mla.lightning_indexer computes"), False
     if len(rope) != 1 or ROPE_FUNCTIONS[rope[0]] == "interleaved":
         return None, (f"its indexer ({indexer_cls.__name__}) rotates with {rope or 'no RoPE'}, "
-                      f"not one (cos, sin) RoPE function")
-    return rope[0], None
+                      f"not one (cos, sin) RoPE function"), False
+    return rope[0], None, input_query
 
 
 def _rope_probe(dtype: torch.dtype):
@@ -348,42 +482,120 @@ def is_rms_norm_class(cls: type) -> bool:
     return not (_forward_names(cls) - RMS_NORM_NAMES)
 
 
-def norm_refusal(norm: torch.nn.Module) -> Optional[str]:
-    """Why `kv_a_layernorm` is not the RMSNorm mla.kv_prolog computes (None when it is)."""
+def norm_refusal(norm: torch.nn.Module, name: str = "kv_a_layernorm") -> Optional[str]:
+    """Why `norm` (the layer's `name`: kv_a_layernorm, or dots3_note's k_rope_only_layernorm) is not the RMSNorm
+    mla.kv_prolog / mla.rms_norm compute (None when it is)."""
     if not hasattr(norm, "variance_epsilon") or not isinstance(getattr(norm, "weight", None), torch.Tensor):
-        return f"its kv_a_layernorm ({type(norm).__name__}) has no `weight` / `variance_epsilon`"
+        return f"its {name} ({type(norm).__name__}) has no `weight` / `variance_epsilon`"
     extra = sorted(_forward_names(type(norm)) - RMS_NORM_NAMES)
     if extra:
-        return f"its kv_a_layernorm ({type(norm).__name__}) computes more than RMSNorm (uses {', '.join(extra)})"
+        return f"its {name} ({type(norm).__name__}) computes more than RMSNorm (uses {', '.join(extra)})"
     return None
 
 
 # ------------------------------------------------------------------------------ what is installed
-@functools.lru_cache(maxsize=None)
-def installed_mla_model_types() -> tuple[str, ...]:
-    """model_type of every transformers model whose modeling file builds MLA projections (a text
-    scan of the installed package, once per process: nothing is imported)."""
+def _models_dir() -> Optional[pathlib.Path]:
+    """transformers/models of the installed package (found without importing it), or None."""
     import importlib.util
 
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return pathlib.Path(next(iter(spec.submodule_search_locations))) / "models"
+
+
+def _own_modeling_text(model_type_dir: pathlib.Path) -> str:
+    path = model_type_dir / f"modeling_{model_type_dir.name}.py"
+    return path.read_text(errors="ignore") if path.is_file() else ""
+
+
+@functools.lru_cache(maxsize=None)
+def _mla_modeling_types() -> tuple[str, ...]:
+    """model_type of every transformers model whose own modeling file builds the MLA projections (a text
+    scan of the installed package: nothing is imported)."""
+    models = _models_dir()
+    if models is None:
         return ()
-    models = pathlib.Path(next(iter(spec.submodule_search_locations))) / "models"
-    found = []
-    for path in sorted(models.glob("*/modeling_*.py")):
-        if path.stem == f"modeling_{path.parent.name}" and "kv_a_proj_with_mqa" in path.read_text(errors="ignore"):
-            found.append(path.parent.name)
-    return tuple(found)
+    return tuple(path.name for path in sorted(models.iterdir()) if "kv_a_proj_with_mqa" in _own_modeling_text(path))
+
+
+@functools.lru_cache(maxsize=None)
+def borrowed_model_types() -> dict:
+    """model_type -> the model_type whose modeling module builds its attention, for every installed model type
+    whose models are built from another family's MLA (or DeepSeek-V4) classes instead of modeling of their own:
+
+    * through the auto mapping's base model class: a config-only model type (`sarvam_mla` is a DeepseekV3Config
+      whose models are DeepseekV3Model / DeepseekV3ForCausalLM);
+    * through the text config a composite config builds by default: a multimodal wrapper whose language model
+      is `AutoModel.from_config(config.text_config)` (`kimi_k25`: a deepseek_v3 text model).
+
+    Found from the installed package's files (the class names each modeling file defines, the model types each
+    configuration file names); only the candidates' configuration classes are imported, once per process."""
+    from . import shared_kv
+
+    models = _models_dir()
+    if models is None:
+        return {}
+    try:
+        from transformers.models.auto.configuration_auto import (
+            CONFIG_MAPPING,
+            CONFIG_MAPPING_NAMES,
+            model_type_to_module_name,
+        )
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    except ImportError:  # a transformers without these mappings: no borrowed families
+        return {}
+    bases = set(_mla_modeling_types()) | set(shared_kv.installed_shared_kv_model_types())
+    defined = {}  # class name -> the base model_type whose modeling file defines it
+    for base in sorted(bases):
+        for line in _own_modeling_text(models / base).splitlines():
+            if line.startswith("class "):
+                defined[line[6:].split("(")[0].split(":")[0].strip()] = base
+    found = {}
+    for model_type in CONFIG_MAPPING_NAMES:
+        module = model_type_to_module_name(model_type)
+        if model_type in bases or module in bases:  # (a base's own sub-model types, e.g. its text model)
+            continue
+        base_model = MODEL_MAPPING_NAMES.get(model_type)
+        if isinstance(base_model, str) and base_model in defined:
+            found[model_type] = defined[base_model]
+            continue
+        config_file = models / module / f"configuration_{module}.py"
+        text = config_file.read_text(errors="ignore") if config_file.is_file() else ""
+        if not any(f'"{base}"' in text for base in bases):
+            continue
+        try:  # a candidate: the model type of the text config its default config builds
+            text_type = CONFIG_MAPPING[model_type]().get_text_config(decoder=True).model_type
+        except Exception:  # a config that does not build with its defaults here: not a wrapper we can read
+            continue
+        if text_type in bases and text_type != model_type:
+            found[model_type] = text_type
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def installed_mla_model_types() -> tuple[str, ...]:
+    """model_type of every transformers model whose models build MLA attention classes: those whose own
+    modeling file builds the MLA projections (a text scan of the installed package), then those whose models
+    are built from another family's classes (`borrowed_model_types`: sarvam_mla, kimi_k25, ...)."""
+    return _mla_modeling_types() + tuple(sorted(t for t, base in borrowed_model_types().items()
+                                                if base in _mla_modeling_types()))
+
+
+def modeling_model_type(model_type: str) -> str:
+    """The model_type whose modeling module builds `model_type`'s attention (itself, unless it borrows)."""
+    return borrowed_model_types().get(model_type, model_type) if model_type not in _mla_modeling_types() else model_type
 
 
 def families_of(model_type: str) -> list[MlaFamily]:
-    """Every MLA (or DeepSeek-V4 shared-KV) attention class of one installed model family (imports its
-    modeling module)."""
+    """Every MLA (or DeepSeek-V4 shared-KV) attention class a model of one installed model type builds (imports
+    the modeling module that defines them: its own, or the one it borrows, `borrowed_model_types`)."""
     import importlib
 
     from .shared_kv import builds_shared_kv_modules
 
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    source = modeling_model_type(model_type)
+    modeling = importlib.import_module(f"transformers.models.{source}.modeling_{source}")
     return [describe(obj) for obj in vars(modeling).values()
             if isinstance(obj, type) and obj.__module__ == modeling.__name__ and "forward" in vars(obj)
             and (builds_mla_modules(obj) or builds_shared_kv_modules(obj))]

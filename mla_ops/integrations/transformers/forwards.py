@@ -13,6 +13,7 @@ from .attention_parts import (
     attend,
     dense_key,
     expand_latent,
+    kv_latent_scale,
     kv_prolog_call,
     latent_prolog,
     layer_patch,
@@ -20,8 +21,9 @@ from .attention_parts import (
     query,
     rotary,
     scale_query,
+    shared_latent,
+    shared_query_lora,
     sort_arguments,
-    sparse_query_residual,
     sparse_result,
 )
 
@@ -35,13 +37,17 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
         return paged_attention.paged_attention_forward(self, patch, hidden_states, inputs)
     opts = patch.options
     rot = rotary(self, patch, inputs.position_embeddings, hidden_states)
-    q_resid = sparse_query_residual(self, patch, hidden_states)
-    q_nope, q_pe = query(self, patch, hidden_states, rot, q_resid=q_resid)
+    q_lora = shared_query_lora(self, patch, hidden_states)
+    q_nope, q_pe, gate = query(self, patch, hidden_states, rot, q_lora=q_lora)
     cache, release = inputs.cache, patch.release
-    if opts.kv_prolog and not patch.family.lora_scales:
+    if patch.family.shared_latent_kv:  # the latent cache as stock keeps it: layers sharing it read it
+        latent, k_pe = shared_latent(self, patch, hidden_states, rot, inputs)
+        k_nope, value_states = expand_latent(self, latent[:, 0])
+        key_states, cache = dense_key(k_nope, k_pe), None
+    elif opts.kv_prolog and patch.family.fused_kv_prolog:
         k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, rot)
         key_states = dense_key(k_nope, k_pe)
-    elif opts.kv_prolog:  # LongCat scales the latent between the norm and kv_b: the latent prolog, then kv_b
+    elif opts.kv_prolog:  # a latent step kv_prolog lacks (a scale, a norm on k_pe): the latent prolog, then kv_b
         latent, k_pe = latent_prolog(self, patch, hidden_states, rot)
         k_nope, value_states = expand_latent(self, latent)
         key_states = dense_key(k_nope, k_pe[:, None])
@@ -53,11 +59,11 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
                                                         inputs.cache_position, inputs.extra)
     query_states = scale_query(self, patch, torch.cat((q_nope, q_pe), dim=-1), inputs.position_ids)
     attention_mask, extra, topk = inputs.attention_mask, inputs.extra, None
-    if patch.family.sparse:  # the indexer's top-k, through mla.lightning_indexer, folded into the mask
-        attention_mask, indices, topk = indexer.dense_selection(self, hidden_states, q_resid, inputs)
+    if indexer.selects(self, patch):  # the indexer's top-k (the stock indexer's), folded into the mask
+        attention_mask, indices, topk = indexer.dense_selection(self, patch, hidden_states, q_lora, inputs)
         extra = {**extra, **indices}
     attn_output, attn_weights = attend(self, patch, query_states, key_states, value_states, attention_mask, extra)
-    return sparse_result(patch, project_output(self, patch, attn_output, hidden_states), attn_weights, topk)
+    return sparse_result(patch, project_output(self, patch, attn_output, hidden_states, gate), attn_weights, topk)
 
 
 def _stock_kv_with_mla_rope(attn, patch, hidden_states, rot, inputs):
@@ -68,9 +74,11 @@ def _stock_kv_with_mla_rope(attn, patch, hidden_states, rot, inputs):
     compressed_kv = attn.kv_a_proj_with_mqa(hidden_states)
     kv_nope, k_pe = torch.split(compressed_kv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
     latent = attn.kv_a_layernorm(kv_nope)
-    if patch.family.lora_scales:
-        latent = latent * attn.mla_scale_kv_lora
+    scale = kv_latent_scale(attn, patch)
+    latent = latent if scale is None else latent * scale
     k_pe = k_pe.view(batch, 1, seq, attn.qk_rope_head_dim)
+    if patch.family.key_rope_norm:  # (the rope-only option: the norm stays stock's)
+        k_pe = attn.k_rope_only_layernorm(k_pe)
     if rot.layout is not None:
         k_pe = torch.ops.mla.rope(k_pe, rot.cos, rot.sin, layout=rot.layout, compute_dtype=rot.compute_dtype)
     cache, release = inputs.cache, patch.release

@@ -12,7 +12,7 @@ import torch
 from .attention_parts import PATCH_ATTRIBUTE
 from .families import is_mla_attention
 from .paged_attention import drop_absorbed_weights, track_absorbed_owners
-from .paged_cache import MLAPagedCache, unsupported
+from .paged_cache import LatentLayout, MLAPagedCache, unsupported
 from .patching import stock_attr
 from .shared_kv import is_shared_kv_attention
 from .shared_kv_cache import SharedKvPagedCache
@@ -21,6 +21,13 @@ PAGED_CACHES = (MLAPagedCache, SharedKvPagedCache)
 # What a DeepSeek-V4 model forward gets as its attention mask under the paged cache: its forward takes the
 # first mask of a dict as built, so it builds none (mla.shared_kv_attention applies the window itself).
 NO_MASK = {"sliding_attention": None}
+
+
+def decoder_stacks(model) -> list:
+    """The decoder stacks in `model`: modules holding `embed_tokens` and a `layers` ModuleList (the model
+    itself, its `model`, or a multimodal wrapper's language model)."""
+    return [m for m in model.modules()
+            if hasattr(m, "embed_tokens") and isinstance(getattr(m, "layers", None), torch.nn.ModuleList)]
 
 
 def holds_shared_kv(decoder) -> bool:
@@ -34,13 +41,16 @@ def new_paged_cache(decoder, config, **kwargs):
     its MLA layers (`kwargs`: the caches' common arguments)."""
     if holds_shared_kv(decoder):
         return SharedKvPagedCache(config, **kwargs)
-    return MLAPagedCache(config, num_layers=paged_layer_count(decoder), **kwargs)
+    return MLAPagedCache(config, layouts=latent_layouts(decoder), **kwargs)
 
 
-def paged_layer_count(decoder) -> int:
-    """How many MLA layers the paged cache holds for `decoder` (max layer_idx + 1); refuses a decoder
-    whose layers are not all MLA (hybrids with linear attention keep state MLAPagedCache cannot hold)."""
-    layer_ids = []
+def latent_layouts(model) -> list:
+    """One `LatentLayout` per MLA layer of `model` (a decoder, or a model holding one), by layer_idx: its latent
+    and rotary dims, the layer whose latent KV it reads (Mistral-Large-4's `kv_source_layers`; itself
+    elsewhere) and whether it runs an indexer of its own. Refuses a decoder whose layers are not all MLA
+    (hybrids with linear attention keep state MLAPagedCache cannot hold)."""
+    decoder = model if hasattr(model, "layers") else next(iter(decoder_stacks(model)))
+    by_index = {}
     for layer in decoder.layers:
         mla = [m for m in layer.modules() if is_mla_attention(m)]
         if not mla:
@@ -48,8 +58,12 @@ def paged_layer_count(decoder) -> int:
                 f"cache='paged': {type(decoder).__name__} mixes MLA layers with layers of another kind ("
                 f"{type(layer).__name__} has no MLA attention, e.g. linear attention), whose state lives in "
                 f"transformers' own cache; MLAPagedCache holds MLA latents only. Use cache='dense'")
-        layer_ids += [m.layer_idx for m in mla]
-    return max(layer_ids) + 1
+        for attn in mla:
+            shared = getattr(attn, "is_kv_shared_layer", False)
+            source = attn.config.kv_source_layers[attn.layer_idx] if shared else attn.layer_idx
+            by_index[attn.layer_idx] = LatentLayout(attn.kv_lora_rank, attn.qk_rope_head_dim, source,
+                                                    getattr(attn, "indexer", None) is not None)
+    return [by_index[i] for i in range(max(by_index) + 1)]
 
 
 def _instance_wants_dense(decoder) -> bool:
@@ -79,6 +93,8 @@ def _model_forward_with_paged_cache(original_forward, keyword: str):
             # With gradients (training), the model's own cache and the dense path serve: the paged
             # cache's writes are inference-only ops.
             cache = new_paged_cache(self, self.config)
+        if isinstance(cache, MLAPagedCache) and not cache.layouts_checked and not torch.compiler.is_compiling():
+            cache.check_layouts(latent_layouts(self))
         if isinstance(cache, PAGED_CACHES):
             tokens = input_ids if input_ids is not None else inputs_embeds
             cache.begin_forward(attention_mask, tokens.shape[0], tokens.shape[1], self.embed_tokens.weight.dtype,
@@ -106,7 +122,7 @@ def _prepare_cache_with_paged(original, keyword: str):
 
     def prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
         passed = model_kwargs.get(keyword)  # a cache the caller handed generate
-        decoder = getattr(self, "model", None)
+        decoder = next(iter(decoder_stacks(self)), None)  # (a multimodal wrapper's: its language model)
         shared_kv = decoder is not None and holds_shared_kv(decoder)
         static = generation_config.cache_implementation == "static"
         stock_config = generation_config
@@ -137,35 +153,36 @@ def _prepare_cache_with_paged(original, keyword: str):
             return result
         # a compiled decode makes the absorbed copies inside the trace: register their owners here
         track_absorbed_owners(m for m in self.modules() if hasattr(m, "kv_b_proj"))
-        layers = paged_layer_count(decoder) if decoder is not None else None
+        layouts = latent_layouts(decoder) if decoder is not None else None
         model_kwargs[keyword] = MLAPagedCache(config, batch_size=rows, max_cache_len=max_cache_length,
-                                              static=static, dtype=self.dtype, device=self.device, num_layers=layers)
+                                              static=static, dtype=self.dtype, device=self.device, layouts=layouts)
         return result
 
     prepare.__name__ = "mla_ops_prepare_cache_for_generation"
     return prepare
 
 
-def install_cache_factory(decoder, causal_lm, handle, keyword: str) -> None:
-    """Hook cache creation on a decoder and its causal LM, instances (or classes, for a class-level
-    patch): model(use_cache=True) and generate() then build MLAPagedCache; reverting the handle frees
-    the absorbed W_UK / W_UV copies the decode path made. `keyword`: the release's cache keyword
-    (`Release.model_cache_keyword`)."""
+def install_cache_factory(decoder, generators, handle, keyword: str) -> None:
+    """Hook cache creation on a decoder and the models generating with it, instances (or classes, for a
+    class-level patch): model(use_cache=True) and generate() then build MLAPagedCache; reverting the handle
+    frees the absorbed W_UK / W_UV copies the decode path made. `generators`: the model instance holding the
+    decoder, or the generating classes (GenerationMixin) of a class-level patch. `keyword`: the release's
+    cache keyword (`Release.model_cache_keyword`)."""
     decoder_class = decoder if isinstance(decoder, type) else type(decoder)
     # Always wrap the stock functions, so applying twice never stacks two wrappers.
     stock_forward = stock_attr(decoder_class, "forward")
     if isinstance(decoder, type):  # class level
         handle.set(decoder, "forward", _model_forward_with_paged_cache(stock_forward, keyword))
-        if causal_lm is not None:
-            stock_prepare = stock_attr(causal_lm, "_prepare_cache_for_generation")
-            handle.set(causal_lm, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare, keyword))
+        for generator in generators:
+            stock_prepare = stock_attr(generator, "_prepare_cache_for_generation")
+            handle.set(generator, "_prepare_cache_for_generation", _prepare_cache_with_paged(stock_prepare, keyword))
         handle.on_revert(drop_absorbed_weights)
         return
-    target_ref = weakref.ref(causal_lm)  # the callback must not keep the model alive
+    target_ref = weakref.ref(generators)  # the callback must not keep the model alive
     handle.on_revert(lambda: drop_absorbed_weights(target_ref().modules() if target_ref() is not None else ()))
     bound = _model_forward_with_paged_cache(stock_forward, keyword)
     handle.set(decoder, "forward", types.MethodType(bound, decoder), in_dict=True)
-    if hasattr(causal_lm, "_prepare_cache_for_generation") and causal_lm is not decoder:
-        stock_prepare = stock_attr(type(causal_lm), "_prepare_cache_for_generation")
+    if hasattr(generators, "_prepare_cache_for_generation") and generators is not decoder:
+        stock_prepare = stock_attr(type(generators), "_prepare_cache_for_generation")
         wrapped = _prepare_cache_with_paged(stock_prepare, keyword)
-        handle.set(causal_lm, "_prepare_cache_for_generation", types.MethodType(wrapped, causal_lm), in_dict=True)
+        handle.set(generators, "_prepare_cache_for_generation", types.MethodType(wrapped, generators), in_dict=True)

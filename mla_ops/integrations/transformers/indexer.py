@@ -35,21 +35,29 @@ import torch.nn.functional as F
 MASKED_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
-def indexer_query_key(indexer, family, hidden_states, q_resid, position_embeddings):
+def indexer_query_key(indexer, family, hidden_states, q_resid, position_embeddings, position_ids=None):
     """The stock indexer's inputs to its scores: (q [B, S, H, D] and k [B, S, D], both rotated, in the
     model's dtype; weights [B, S, H] fp32 with n_heads**-0.5 folded in). `indexer`: the layer's indexer
-    module; `q_resid` [B, S, q_lora_rank]: q_a_layernorm(q_a_proj(x)), as the attention computed it."""
+    module; `q_resid` [B, S, q_lora_rank]: q_a_layernorm(q_a_proj(x)), as the attention computed it, or None
+    for an indexer taking its query from the layer input (`MlaFamily.indexer_input_query`: wq_b(q_input_norm(x))
+    scaled by its log-position scale at `position_ids`, rotated only where the indexer's `use_rope` says)."""
     batch, seq = hidden_states.shape[:-1]
     cos, sin = position_embeddings
-    rotate = getattr(family.modeling, family.indexer)
-    split = [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim]
-    q = indexer.wq_b(q_resid).view(batch, seq, indexer.n_heads, indexer.head_dim)
-    q_rot, q_pass = torch.split(q, split, dim=-1)
+    if family.indexer_input_query:
+        q = indexer.wq_b(indexer.q_input_norm(hidden_states)).view(batch, seq, indexer.n_heads, indexer.head_dim)
+        q = indexer.softmax_scaling(q, position_ids, head_dim_first=False)
+    else:
+        q = indexer.wq_b(q_resid).view(batch, seq, indexer.n_heads, indexer.head_dim)
     k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)  # [B, S, 1, D]
-    k_rot, k_pass = torch.split(k, split, dim=-1)
-    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-    q = torch.cat([q_rot, q_pass], dim=-1)
-    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    if getattr(indexer, "use_rope", True):
+        rotate = getattr(family.modeling, family.indexer)
+        split = [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim]
+        q_rot, q_pass = torch.split(q, split, dim=-1)
+        k_rot, k_pass = torch.split(k, split, dim=-1)
+        q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1)
+    k = k.squeeze(2)
     weights_proj = indexer.weights_proj
     weights = weights_proj(hidden_states.to(weights_proj.weight.dtype)).float() * (indexer.n_heads ** -0.5)
     return q, k, weights
@@ -99,6 +107,12 @@ def restrict_mask(attention_mask, columns, real, dtype):
     return attention_mask.masked_fill(dropped, torch.finfo(dtype).min)
 
 
+def selects(attn, patch) -> bool:
+    """Whether this layer attends to a top-k: it runs an indexer, or reuses the previous layer's top-k (a "shared"
+    layer); a layer of a sparse family with neither attends densely (dots3_note's sliding-window layers)."""
+    return patch.family.sparse and (getattr(attn, "indexer", None) is not None or patch.family.shared_topk)
+
+
 def previous_topk(inputs):
     """A "shared" layer's top-k: the previous layer's, as the stock forward reuses it."""
     if inputs.prev_topk_indices is None:
@@ -106,7 +120,16 @@ def previous_topk(inputs):
     return inputs.prev_topk_indices
 
 
-def dense_selection(attn, hidden_states, q_resid, inputs):
+def stock_indexer_call(indexer, family, hidden_states, q_resid, position_embeddings, mask3d, position_ids, cache):
+    """The layer's own indexer forward -> its int32 top-k [B, S, K], called as its stock attention calls it (the
+    cache by position: its keyword is `past_key_values` before transformers 5.24 and `cache` from 5.24; an
+    indexer taking its query from the layer input takes no q_resid)."""
+    if family.indexer_input_query:
+        return indexer(hidden_states, position_embeddings, mask3d, position_ids, cache)
+    return indexer(hidden_states, q_resid, position_embeddings, mask3d, position_ids, cache)
+
+
+def dense_selection(attn, patch, hidden_states, q_lora, inputs):
     """The dense mode's top-k, stock's exactly: (the attention mask with it folded in as stock folds it,
     or the mask unchanged and the top-k passed as `indices=` to other implementations; extra kwargs for
     the attention function; the int32 [B, S, min(index_topk, T)] top-k a "shared" next layer reuses).
@@ -124,25 +147,25 @@ def dense_selection(attn, hidden_states, q_resid, inputs):
     if attn.indexer is None:
         columns = previous_topk(inputs)
     else:
-        # the stock call: the indexer scores against the 3-D [B, S, T] mask. The cache goes by position:
-        # its keyword is `past_key_values` before transformers 5.24 and `cache` from 5.24
-        columns = attn.indexer(hidden_states, q_resid, inputs.position_embeddings, mask[:, 0], inputs.position_ids,
-                               inputs.cache)
+        # the stock call: the indexer scores against the 3-D [B, S, T] mask
+        columns = stock_indexer_call(attn.indexer, patch.family, hidden_states, None if q_lora is None else q_lora[1],
+                                     inputs.position_embeddings, mask[:, 0], inputs.position_ids, inputs.cache)
     if attn.config._attn_implementation in MASKED_IMPLEMENTATIONS:
         return restrict_mask(mask, columns, None, hidden_states.dtype), {}, columns
     return mask, {"indices": columns}, columns
 
 
-def paged_selection(attn, patch, hidden_states, q_resid, inputs, layer, plan):
+def paged_selection(attn, patch, hidden_states, q_lora, inputs, layer, plan):
     """The paged mode's top-k: int32 [B, S, K] row-local positions of the paged cache (-1: none).
     The new tokens' indexer keys go into the layer's paged indexer pool (`mla.scatter_pa_cache`, the
     plan's slots: padding is never stored) and the op reads the pool through the row block tables."""
     if attn.indexer is None:
         return previous_topk(inputs)
     with torch.no_grad():
-        q, k, weights = indexer_query_key(attn.indexer, patch.family, hidden_states, q_resid,
-                                          inputs.position_embeddings)
-        pool = layer.indexer_pool
+        q, k, weights = indexer_query_key(attn.indexer, patch.family, hidden_states,
+                                          None if q_lora is None else q_lora[1], inputs.position_embeddings,
+                                          inputs.position_ids)
+        pool = layer.indexer_pool_like(k)
         torch.ops.mla.scatter_pa_cache(k.reshape(-1, 1, k.shape[-1]), pool, plan.slot_mapping)
         return select_topk(attn.indexer, q, weights, pool, plan.block_tables, plan.seq_lens, plan.real)
 
@@ -179,7 +202,9 @@ def indexer_refusal(attn, family) -> Optional[str]:
     weight = indexer.wk.weight
     generator = torch.Generator().manual_seed(0)
     new = lambda *shape: torch.randn(*shape, generator=generator).to(weight)  # noqa: E731
-    hidden, q_resid = new(1, PROBE_TOKENS, indexer.hidden_size), new(1, PROBE_TOKENS, indexer.q_lora_rank)
+    hidden = new(1, PROBE_TOKENS, indexer.hidden_size)
+    q_resid = None if family.indexer_input_query else new(1, PROBE_TOKENS, indexer.q_lora_rank)
+    positions = torch.arange(PROBE_TOKENS, device=weight.device)[None]
     angles = torch.randn(1, PROBE_TOKENS, indexer.qk_rope_head_dim // 2, generator=generator)
     cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(weight) for f in (torch.cos, torch.sin))
     causal = torch.ones(PROBE_TOKENS, PROBE_TOKENS, dtype=torch.bool, device=weight.device).tril()[None]
@@ -187,12 +212,11 @@ def indexer_refusal(attn, family) -> Optional[str]:
     probe.index_topk = PROBE_TOPK
     with torch.no_grad():
         try:
-            # no cache, by position (its keyword differs between transformers releases)
-            stock = probe(hidden, q_resid, (cos, sin), causal, None, None).long()  # [1, S, k]
+            stock = stock_indexer_call(probe, family, hidden, q_resid, (cos, sin), causal, positions, None).long()
         except Exception as exc:  # another signature: not DeepSeek-V3.2's indexer
             return f"sparse attention: its indexer ({type(indexer).__name__}) does not run as DeepSeek-V3.2's " \
                    f"({type(exc).__name__}: {exc})"
-        q, k, weights = indexer_query_key(probe, family, hidden, q_resid, (cos, sin))
+        q, k, weights = indexer_query_key(probe, family, hidden, q_resid, (cos, sin), positions)
         rows = torch.arange(PROBE_TOKENS, device=weight.device)
         ours = select_topk(probe, q, weights, k.reshape(PROBE_TOKENS, 1, 1, -1), rows[None], rows[-1:] + 1,
                            torch.ones(1, PROBE_TOKENS, dtype=torch.bool, device=weight.device)).long()

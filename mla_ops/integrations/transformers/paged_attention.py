@@ -7,6 +7,9 @@
 * decode (one token per row): the absorbed path of vLLM / FlashMLA — q_nope @ W_UK ->
   `mla.mla_decode_attention` over the paged latent cache -> @ W_UV -> o_proj. W_UK / W_UV are
   prepared once per layer from kv_b_proj.weight (contiguous copies); kv_b never runs over the cache.
+* a layer sharing an earlier layer's latent KV (Mistral-Large-4) writes nothing: it reads the source layer's
+  pools (`MLAPagedCache` aliases them) and, in a prefill, the new tokens' latent the source layer left in
+  `shared_kv_states`, through its own kv_b (W_UK / W_UV in the decode).
 * sparse attention (DeepSeek-V3.2, GLM-5): the indexer keys go into the layer's paged indexer pool
   (`mla.scatter_pa_cache`) and `mla.lightning_indexer` picks each query's top-k over it (`indexer`);
   a prefill folds them into its mask (stock's arithmetic again), a decode step attends to them alone
@@ -30,7 +33,8 @@ from .attention_parts import (
     query,
     rotary,
     scale_query,
-    sparse_query_residual,
+    shared_kv_key,
+    shared_query_lora,
     sparse_result,
 )
 
@@ -121,9 +125,19 @@ def _gather_prefix(layer: "MLAPagedLayer", plan: "ForwardPlan"):
     return pad(packed_latent), pad(packed_k_pe), valid
 
 
-def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk=None):
+def window_positions(plan: "ForwardPlan", window: int):
+    """int32 [B, 1, window]: the row-local positions of each row's last `window` cached tokens, newest first (-1
+    before the row's first token): what a sliding-window layer's decode step attends to, handed to
+    mla.sparse_mla_attention as its top-k."""
+    offsets = torch.arange(window, device=plan.seq_lens.device)
+    positions = plan.seq_lens[:, None] - 1 - offsets[None]
+    return torch.where(positions >= 0, positions, -1).to(torch.int32)[:, None]
+
+
+def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk=None, window=None):
     """New tokens attend to (gathered prefix + new tokens): materialised K/V via kv_b, own mask (narrowed
-    to each real query's `topk` [B, S, K] row-local positions, sparse attention)."""
+    to each real query's `topk` [B, S, K] row-local positions, sparse attention; to the last `window` tokens
+    up to each query, a sliding-window layer)."""
     prefix_latent, prefix_k_pe, prefix_valid = _gather_prefix(layer, plan)
     keys_latent = torch.cat((prefix_latent, latent), dim=1)  # [B, P+S, L]
     k_nope, value_states = expand_latent(attn, keys_latent)
@@ -136,6 +150,11 @@ def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk=Non
     new_part |= torch.eye(seq, dtype=torch.bool, device=real.device)[None]  # padding queries see themselves
     prefix_part = prefix_valid[:, None, :] & real[:, :, None]
     mask = torch.cat((prefix_part, new_part), dim=-1)[:, None]  # [B, 1, S, P+S]
+    if window is not None:  # row-local positions: the prefix's 0.., the real new tokens' after it
+        query_pos = plan.prefix_lens[:, None] + torch.cumsum(real.long(), 1) - 1  # [B, S]
+        prefix_pos = torch.arange(prefix_latent.shape[1], device=real.device).expand(real.shape[0], -1)
+        key_pos = torch.cat((prefix_pos, query_pos), dim=1)  # [B, P+S]
+        mask = mask & ((query_pos[:, :, None] - key_pos[:, None, :]) < window)[:, None]
     if topk is not None:
         columns = indexer.paged_columns(topk, plan, prefix_latent.shape[1])
         mask = indexer.restrict_mask(mask, columns, real, query_states.dtype)
@@ -153,25 +172,42 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
                            "(patch the model with mla_ops.patch(model), whose cache is 'paged')")
     batch, seq = hidden_states.shape[:-1]
     rot = rotary(attn, patch, inputs.position_embeddings, hidden_states)
-    latent, k_pe = latent_prolog(attn, patch, hidden_states, rot)
-    layer = cache.layers[attn.layer_idx]
-    torch.ops.mla.scatter_pa_kv_cache(latent.reshape(batch * seq, 1, -1), k_pe.reshape(batch * seq, 1, -1),
-                                      layer.latent_pool, layer.k_pe_pool, plan.slot_mapping)
-    q_resid = sparse_query_residual(attn, patch, hidden_states)
+    layer = cache.layers[attn.layer_idx]  # (a layer sharing an earlier layer's latent KV reads that layer's pools)
+    shares_kv = patch.family.shared_latent_kv and attn.is_kv_shared_layer
+    layout = layer.layout
+    if (layout.kv_lora_rank, layout.rope_dim, layout.source != attn.layer_idx) != \
+            (attn.kv_lora_rank, attn.qk_rope_head_dim, shares_kv):
+        raise ValueError(f"MLAPagedCache layer {attn.layer_idx} holds {layout}, but the layer has kv_lora_rank "
+                         f"{attn.kv_lora_rank}, rope dims {attn.qk_rope_head_dim} and "
+                         f"{'shares' if shares_kv else 'owns'} its latent KV: build the cache with the model's "
+                         f"layouts, MLAPagedCache(config, layouts=latent_layouts(model), ...)")
+    if shares_kv:
+        latent, k_pe = inputs.shared_kv_states[shared_kv_key(attn)]  # the new tokens', from the source layer
+    else:
+        latent, k_pe = latent_prolog(attn, patch, hidden_states, rot)
+        torch.ops.mla.scatter_pa_kv_cache(latent.reshape(batch * seq, 1, -1), k_pe.reshape(batch * seq, 1, -1),
+                                          layer.latent_pool, layer.k_pe_pool, plan.slot_mapping)
+        if patch.family.shared_latent_kv and attn.store_full_length_kv:
+            inputs.shared_kv_states[shared_kv_key(attn)] = (latent, k_pe)
+    q_lora = shared_query_lora(attn, patch, hidden_states)
     # the paged path runs on the ops
-    q_nope, q_pe = query(attn, patch, hidden_states, rot, rope_op=True, q_resid=q_resid)
-    if patch.family.query_position_scale:
+    q_nope, q_pe, gate = query(attn, patch, hidden_states, rot, rope_op=True, q_lora=q_lora)
+    if patch.family.query_position_scale or patch.family.query_log_position_scale:
         q_nope = scale_query(attn, patch, q_nope, inputs.position_ids)
         q_pe = scale_query(attn, patch, q_pe, inputs.position_ids)
-    topk = indexer.paged_selection(attn, patch, hidden_states, q_resid, inputs, layer, plan) \
-        if patch.family.sparse else None
+    topk = indexer.paged_selection(attn, patch, hidden_states, q_lora, inputs, layer, plan) \
+        if indexer.selects(attn, patch) else None
+    window = attn.sliding_window if patch.family.sliding_window else None
+    if window is not None and topk is not None:
+        raise NotImplementedError(f"{patch.family.name}: a layer with both a sliding window and an indexer")
     if seq == 1:
-        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe, topk)
-        return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states), None, topk)
+        selected = window_positions(plan, window) if window is not None else topk
+        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe, selected)
+        return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states, gate), None, topk)
     query_states = torch.cat((q_nope, q_pe), dim=-1)
     if plan.has_prefix:
-        attn_output = _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk)
-        return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states), None, topk)
+        attn_output = _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk, window)
+        return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states, gate), None, topk)
     # Fresh prefill: the new tokens are all there is (padding included, masked by transformers' own mask),
     # so this is stock's arithmetic and gives stock's logits.
     k_nope, value_states = expand_latent(attn, latent)
@@ -187,4 +223,4 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
                                                hidden_states.dtype)
     attn_output, attn_weights = attend(attn, patch, query_states, key_states, value_states, attention_mask,
                                        inputs.extra)
-    return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states), attn_weights, topk)
+    return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states, gate), attn_weights, topk)

@@ -49,11 +49,11 @@ MAX_INITIAL_TOKENS_PER_ROW = 512
 # ------------------------------------------------------------------------------------------- cache
 class PagedLayerView(CacheLayerMixin):
     """A paged cache's layer as transformers' `Cache` sees it: sizes and resets are the parent cache's
-    (`self._cache`, whose token bookkeeping every layer shares); what the cache cannot do raises through
-    `self.unsupported(what)`."""
+    (`self._cache`, a `PagedCache`, whose token bookkeeping every layer shares); what the cache cannot do
+    raises through the parent's `unsupported(what)`."""
 
     def unsupported(self, what: str):
-        raise NotImplementedError(what)
+        self._cache.unsupported(what)
 
     def get_seq_length(self) -> int:
         return self._cache.get_seq_length()
@@ -85,27 +85,42 @@ class PagedLayerView(CacheLayerMixin):
         self.unsupported("batch_select_indices")
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentLayout:
+    """One MLA layer's share of an MLAPagedCache: its latent and rotary dims (R = 0: a layer without RoPE dims),
+    the layer whose latent pools it reads (itself, unless it attends to an earlier layer's latent KV), and whether
+    it runs a sparse-attention indexer of its own (it then keeps the indexer keys)."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    source: int
+    indexer: bool = False
+
+
 class MLAPagedLayer(PagedLayerView):
-    """One layer's pools. Token bookkeeping (block tables, lengths) is shared, on the parent cache."""
+    """One layer's pools. Token bookkeeping (block tables, lengths) is shared, on the parent cache. A layer
+    sharing an earlier layer's latent KV (`source`) holds no latent pools of its own: it reads the source's."""
 
     is_sliding = False
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, cache: "MLAPagedCache", indexed: bool = False):
+    def __init__(self, cache: "MLAPagedCache", layout: LatentLayout, source: Optional["MLAPagedLayer"] = None):
         super().__init__()
         self._cache = cache
         self.is_compileable = cache.static
-        self.indexed = indexed  # holds a sparse-attention indexer's keys (a layer with its own indexer)
+        self.indexed = layout.indexer  # holds a sparse-attention indexer's keys (a layer with its own indexer)
+        self.layout = layout
+        self.source = source
         self.indexer_keys: Optional[torch.Tensor] = None
 
     @property
     def latent_pool(self) -> torch.Tensor:  # [num_blocks, block_size, 1, L]
-        return self.keys
+        return self.keys if self.source is None else self.source.keys
 
     @property
     def k_pe_pool(self) -> torch.Tensor:  # [num_blocks, block_size, 1, R]
-        return self.values
+        return self.values if self.source is None else self.source.values
 
     @property
     def indexer_pool(self) -> torch.Tensor:  # [num_blocks, block_size, 1, index_head_dim]
@@ -114,14 +129,27 @@ class MLAPagedLayer(PagedLayerView):
                                "indexer in this layer)")
         return self.indexer_keys
 
+    def indexer_pool_like(self, keys: torch.Tensor) -> torch.Tensor:
+        """The indexer-key pool, in the dtype the layer's indexer gives its keys: the model's, or fp32 where the
+        stock indexer rotates with fp32 tables (dots3_note), as its own cache then holds them. Converted once, at
+        the layer's first write (before a compiled step: the first forward of a cache runs eagerly)."""
+        pool = self.indexer_pool
+        if pool.dtype != keys.dtype:
+            pool = self.indexer_keys = pool.to(keys.dtype)
+            if self._cache.static and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(pool)
+        return pool
+
     def pools(self) -> list:
-        """Every pool of the layer (latent, k_pe, and the indexer keys where it has them)."""
+        """Every pool the layer holds (latent, k_pe, and the indexer keys where it has them; a layer sharing an
+        earlier layer's latent KV holds no latent pools)."""
         return [p for p in (self.keys, self.values, self.indexer_keys) if p is not None]
 
     def allocate(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         c = self._cache
-        self.keys = torch.zeros(num_blocks, c.block_size, 1, c.kv_lora_rank, dtype=dtype, device=device)
-        self.values = torch.zeros(num_blocks, c.block_size, 1, c.rope_dim, dtype=dtype, device=device)
+        if self.source is None:
+            self.keys = torch.zeros(num_blocks, c.block_size, 1, self.layout.kv_lora_rank, dtype=dtype, device=device)
+            self.values = torch.zeros(num_blocks, c.block_size, 1, self.layout.rope_dim, dtype=dtype, device=device)
         if self.indexed:
             self.indexer_keys = torch.zeros(num_blocks, c.block_size, 1, c.index_head_dim, dtype=dtype, device=device)
         self.device = device
@@ -132,7 +160,8 @@ class MLAPagedLayer(PagedLayerView):
 
     def grow(self, num_blocks: int) -> None:
         grown = lambda pool: torch.cat((pool, pool.new_zeros(num_blocks - pool.shape[0], *pool.shape[1:])))  # noqa: E731
-        self.keys, self.values = grown(self.keys), grown(self.values)
+        if self.source is None:
+            self.keys, self.values = grown(self.keys), grown(self.values)
         if self.indexer_keys is not None:
             self.indexer_keys = grown(self.indexer_keys)
 
@@ -143,9 +172,6 @@ class MLAPagedLayer(PagedLayerView):
         raise NotImplementedError(
             "MLAPagedCache stores the MLA latent through mla.scatter_pa_kv_cache in the patched attention "
             "(mla_ops.patch(model), whose cache is 'paged'); it has no per-head K/V to update")
-
-    def unsupported(self, what: str):
-        unsupported(what)
 
     def crop(self, tokens_to_remove: int) -> None:
         pass  # the parent cache crops the shared bookkeeping once (Cache.crop calls every layer)
@@ -170,7 +196,79 @@ class ForwardPlan:
     has_prefix: bool  # some row had cached tokens (host-known; False inside compiled decode)
 
 
-class MLAPagedCache(Cache):
+class PagedCache(Cache):
+    """What the paged caches (`MLAPagedCache`, `SharedKvPagedCache`) share as transformers `Cache`s: their
+    sizes, their token bookkeeping and its reset, and what none of them can do (beam search, batch
+    reshuffles: rows own their blocks), raised through `unsupported(what)` with the cache's own reason.
+
+    Token bookkeeping (set by `init_bookkeeping`): `_seen` positions per row (padding included: what
+    transformers calls the sequence length), `_seen_tensor` the same as a tensor in a static cache (read
+    by a compiled step), `seq_lens` [B] the tokens each row holds, `plan` the running forward's slots.
+    A subclass gives its blocks back to its free lists in `release_rows()`."""
+
+    # plain attributes: before transformers 5.20 the base class has read-only properties of these names
+    max_cache_len: Optional[int] = None
+    max_batch_size: Optional[int] = None
+
+    def init_bookkeeping(self, *, block_size: int, batch_size: Optional[int], max_cache_len: Optional[int],
+                         static: bool) -> None:
+        """Check and set the sizes every paged cache takes (before its layers are built)."""
+        name = type(self).__name__
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if static and (batch_size is None or max_cache_len is None):
+            raise ValueError(f"{name}(static=True) needs batch_size and max_cache_len")
+        self.static = static
+        self.block_size = block_size
+        self.max_cache_len = max_cache_len
+        self._batch_size = batch_size
+        self.plan = None
+        self._seen = 0
+        self._seen_tensor: Optional[torch.Tensor] = None
+        self.seq_lens: Optional[torch.Tensor] = None
+        self.block_tables: Optional[torch.Tensor] = None
+
+    def unsupported(self, what: str):
+        raise NotImplementedError(f"{type(self).__name__} does not support {what}")
+
+    def release_rows(self) -> None:
+        """Give every row's blocks back (a dynamic cache's free lists); called by `reset`."""
+
+    # ------------------------------------------------------------------------- Cache interface
+    def get_seq_length(self, layer_idx: int = 0):
+        if self.static:
+            return self._seen_tensor if self._seen_tensor is not None else 0
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return self.layers[0].get_max_length()
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size if self._batch_size is not None else -1
+
+    def reset(self) -> None:
+        if self.seq_lens is not None:
+            self.seq_lens.zero_()
+        if self._seen_tensor is not None:
+            self._seen_tensor.zero_()
+        self._seen, self.plan = 0, None
+        self.release_rows()
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.unsupported("beam search (reorder_cache)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        self.unsupported("batch_select_indices")
+
+
+class MLAPagedCache(PagedCache):
     """A transformers `Cache` holding the MLA latent and rotated k_pe in paged block pools.
 
     Args:
@@ -187,45 +285,58 @@ class MLAPagedCache(Cache):
         dtype, device: allocate now instead of at the first forward.
         num_layers: MLA layers to hold (default config.num_hidden_layers; LongCat-Flash has two per
             decoder layer).
+        layouts: one `LatentLayout` per layer where the layers differ (dims per layer, layers sharing an earlier
+            layer's latent KV: `latent_layouts(model)` reads them off a model); default: every layer owns
+            config.kv_lora_rank + config.qk_rope_head_dim.
     """
 
     holds_mla_latent_pages = True  # how the patched attention recognises it (without importing this module)
-    # plain attributes here: before transformers 5.20 the base class has read-only properties of these names
-    max_cache_len: Optional[int] = None
-    max_batch_size: Optional[int] = None
 
     def __init__(self, config, *, block_size: int = DEFAULT_BLOCK_SIZE, batch_size: Optional[int] = None,
                  max_cache_len: Optional[int] = None, static: bool = False, dtype: Optional[torch.dtype] = None,
-                 device=None, num_layers: Optional[int] = None):
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if static and (batch_size is None or max_cache_len is None):
-            raise ValueError("MLAPagedCache(static=True) needs batch_size and max_cache_len")
-        self.static = static
-        self.block_size = block_size
-        self.kv_lora_rank = config.kv_lora_rank
-        self.rope_dim = config.qk_rope_head_dim
-        self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
-        self.max_cache_len = max_cache_len
-        self._batch_size = batch_size
-        # DeepSeek Sparse Attention: an indexer-key pool in every layer that runs its own indexer (the
-        # "shared" layers of config.indexer_types reuse the previous layer's top-k and keep none)
+                 device=None, num_layers: Optional[int] = None, layouts=None):
+        self.init_bookkeeping(block_size=block_size, batch_size=batch_size, max_cache_len=max_cache_len,
+                              static=static)
+        # DeepSeek Sparse Attention: an indexer-key pool in every layer that runs its own indexer (by default every
+        # layer but the "shared" ones of config.indexer_types, which reuse the previous layer's top-k)
         self.index_head_dim = getattr(config, "index_head_dim", None) if getattr(config, "index_topk", None) else None
-        indexer_types = getattr(config, "indexer_types", None) or ()
-        indexed = [self.index_head_dim is not None and (i >= len(indexer_types) or indexer_types[i] != "shared")
-                   for i in range(self.num_layers)]
-        super().__init__(layers=[MLAPagedLayer(self, indexed[i]) for i in range(self.num_layers)])
+        if not layouts:
+            count = config.num_hidden_layers if num_layers is None else num_layers
+            indexer_types = getattr(config, "indexer_types", None) or ()
+            indexed = [self.index_head_dim is not None and (i >= len(indexer_types) or indexer_types[i] != "shared")
+                       for i in range(count)]
+            layouts = [LatentLayout(config.kv_lora_rank, config.qk_rope_head_dim, i, indexed[i]) for i in range(count)]
+        layouts = list(layouts)
+        self.num_layers = len(layouts)
+        for i, layout in enumerate(layouts):
+            if layout.source > i or layouts[layout.source].source != layout.source:
+                raise ValueError(f"layouts[{i}]: a layer reads the latent KV of an earlier layer that owns it, got "
+                                 f"source {layout.source}")
+            if layout.indexer and self.index_head_dim is None:
+                raise ValueError(f"layouts[{i}]: an indexer layer, but the config has no index_topk / index_head_dim")
+        layers = []
+        for i, layout in enumerate(layouts):
+            source = None if layout.source == i else layers[layout.source]
+            layers.append(MLAPagedLayer(self, layout, source))
+        super().__init__(layers=layers)
+        self.layouts_checked = False  # against the model's, at its first forward (`check_layouts`)
         self.plan: Optional[ForwardPlan] = None
-        self._seen = 0  # positions seen per row, padding included (what transformers calls seq length)
-        self._seen_tensor: Optional[torch.Tensor] = None  # the same, as a tensor, in static mode
         self._prefilled = False
         self._lens_host: list[int] = []  # dynamic: real tokens per row
         self._blocks_host: list[list[int]] = []  # dynamic: block ids per row
         self._free: list[int] = []
-        self.seq_lens: Optional[torch.Tensor] = None
-        self.block_tables: Optional[torch.Tensor] = None
         if dtype is not None and batch_size is not None:
             self._allocate(batch_size, dtype, torch.device(device or "cpu"))
+
+    def check_layouts(self, layouts) -> None:
+        """Refuse (ValueError, before anything is written) a model whose MLA layers (`latent_layouts(model)`)
+        are not the ones this cache was built for."""
+        held = [layer.layout for layer in self.layers]
+        if list(layouts) != held:
+            raise ValueError(f"this MLAPagedCache holds the layers {held}, but the model's are {list(layouts)} (dims "
+                             f"per layer, layers sharing an earlier layer's latent KV): build the cache with the "
+                             f"model's layouts, MLAPagedCache(config, layouts=latent_layouts(model), ...)")
+        self.layouts_checked = True
 
     # ---------------------------------------------------------------- allocation and bookkeeping
     @property
@@ -350,35 +461,16 @@ class MLAPagedCache(Cache):
                            block_tables=self.block_tables, has_prefix=has_prefix)
 
     # ------------------------------------------------------------------------- Cache interface
-    def get_seq_length(self, layer_idx: int = 0):
-        if self.static:
-            return self._seen_tensor if self._seen_tensor is not None else 0
-        return self._seen
+    def unsupported(self, what: str):
+        unsupported(what)
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layers[0].get_mask_sizes(query_length)
-
-    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return self.layers[0].get_max_length()
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size if self._batch_size is not None else -1
-
-    def reset(self) -> None:
-        if self.seq_lens is not None:
-            self.seq_lens.zero_()
-        if self._seen_tensor is not None:
-            self._seen_tensor.zero_()
-        self._seen, self._prefilled, self.plan = 0, False, None
+    def release_rows(self) -> None:
+        self._prefilled = False
         if not self.static and self._batch_size is not None:
             for blocks in self._blocks_host:
                 self._free += blocks[::-1]
             self._blocks_host = [[] for _ in range(self._batch_size)]
             self._lens_host = [0] * self._batch_size
-
-    def reorder_cache(self, beam_idx) -> None:
-        unsupported("beam search (reorder_cache)")
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens of every row (transformers' crop convention: a
@@ -399,12 +491,6 @@ class MLAPagedCache(Cache):
             keep = math.ceil(length / self.block_size)
             self._free += self._blocks_host[row][keep:][::-1]
             del self._blocks_host[row][keep:]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        unsupported("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices) -> None:
-        unsupported("batch_select_indices")
 
     def memory_report(self) -> dict:
         """Bytes held by the cache. `bytes_per_token_per_layer` counts the blocks assigned to rows

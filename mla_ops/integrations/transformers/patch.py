@@ -11,8 +11,9 @@
 
 Targets:
 * transformers' own MLA attention classes (DeepSeek-V2, DeepSeek-V3 and the families built on its
-  forward), recognised by structure (`families`) on transformers `SUPPORTED_TRANSFORMERS`; DeepSeek
-  Sparse Attention with DeepSeek-V3.2's indexer (DeepSeek-V3.2, GLM-5 and its "shared" indexer layers:
+  forward), recognised by structure (`families`) on transformers `SUPPORTED_TRANSFORMERS`, model types built
+  from another family's classes included (`families.borrowed_model_types`); DeepSeek Sparse Attention with
+  DeepSeek-V3.2's indexer (DeepSeek-V3.2, AXK2, dots3_note, Mistral-Large-4, GLM-5 and its "shared" indexer layers:
   the dense mode selects with the stock indexer itself, the paged mode through `mla.lightning_indexer`
   and decodes through `mla.sparse_mla_attention`, see `indexer`); other indexers and forwards doing
   something the patch does not reproduce are refused with the reason (an indexer is also run once on a
@@ -39,6 +40,7 @@ from typing import Optional
 import torch
 
 from ..._checks import ROPE_COMPUTE_DTYPES
+from . import families
 from .attention_parts import PATCH_ATTRIBUTE, LayerPatch
 from .families import MlaFamily, describe, families_of, is_mla_attention, is_rms_norm_class, norm_refusal
 from .forwards import mla_attention_forward, rms_norm_forward
@@ -202,7 +204,7 @@ def apply(model: Optional[torch.nn.Module] = None, **options) -> PatchHandle:
 class _Targets:
     attention: list  # (module or class, LayerPatch; its family is None for the remote code)
     norms: list  # modules or classes
-    decoders: list  # (decoder module or class, causal-LM module or class or None)
+    decoders: list  # (decoder module, the model holding it), or (decoder class, its generating classes)
 
 
 def _attention_patch(family: MlaFamily, options: PatchOptions, release) -> LayerPatch:
@@ -213,6 +215,16 @@ def _attention_patch(family: MlaFamily, options: PatchOptions, release) -> Layer
     if options.q_prolog and family.lora_scales:
         raise ValueError(f"q_prolog=True: {family.name} scales q between q_b_proj and RoPE, which mla.q_prolog "
                          f"does not; use q_prolog=False (rope=True routes its RoPE)")
+    if options.q_prolog and family.latent_scales:
+        raise ValueError(f"q_prolog=True: {family.name} scales the normed q latent before q_b_proj (q_lora_scale), "
+                         f"which mla.q_prolog does not; use q_prolog=False (rope=True routes its RoPE)")
+    if not options.kv_prolog and family.shared_latent_kv:
+        raise ValueError(f"kv_prolog=False: {family.name}'s layers share one latent KV cache, which the patch computes "
+                         f"with mla.latent_kv_prolog; pass kv_prolog=True")
+    if options.q_prolog and family.output_gate is not None and family.output_gate.from_query:
+        raise ValueError(f"q_prolog=True: {family.name} projects its query and output gate together from "
+                         f"cat(q_a_layernorm(q_a), q_a) ({family.output_gate.module}), which mla.q_prolog does not; "
+                         f"use q_prolog=False (rope=True routes its RoPE)")
     return LayerPatch(options, family, release)
 
 
@@ -253,15 +265,28 @@ def _class_targets(model_type: str, options: PatchOptions) -> _Targets:
              and cls.__module__ == modeling.__name__ and "forward" in vars(cls) and is_rms_norm_class(cls)]
     decoders = []
     if options.cache == "paged":
-        model_class, causal_class = found[0].model_classes()
-        decoders.append((model_class, causal_class))
+        model_class, generators = found[0].model_classes()
+        # a model type built from another family's classes (a multimodal wrapper) generates through its own
+        generators += tuple(cls for cls in _own_generation_classes(model_type) if cls not in generators)
+        decoders.append((model_class, generators))
     return _Targets(attention, norms, decoders)
 
 
-def _decoders(model: torch.nn.Module) -> list:
-    """The decoder stacks in `model`: modules holding `embed_tokens` and a `layers` ModuleList."""
-    return [m for m in model.modules()
-            if hasattr(m, "embed_tokens") and isinstance(getattr(m, "layers", None), torch.nn.ModuleList)]
+def _own_generation_classes(model_type: str) -> list:
+    """The generating classes (GenerationMixin) of `model_type`'s own modeling module, where it borrows its
+    attention from another family's (`families.borrowed_model_types`); [] otherwise."""
+    import importlib
+
+    if families.modeling_model_type(model_type) == model_type:
+        return []
+    from transformers import GenerationMixin
+
+    try:
+        modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ModuleNotFoundError:  # a config-only model type: the family's own classes generate
+        return []
+    return [obj for obj in vars(modeling).values() if isinstance(obj, type) and obj.__module__ == modeling.__name__
+            and issubclass(obj, GenerationMixin)]
 
 
 def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets:
@@ -306,7 +331,11 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
             if patch_attention:
                 family = describe(type(module))
                 layer = _attention_patch(family, options, release)
-                refusal = norm_refusal(module.kv_a_layernorm)
+                # (a layer sharing an earlier layer's latent KV has no KV path of its own)
+                shares_kv = family.shared_latent_kv and module.is_kv_shared_layer
+                refusal = None if shares_kv else norm_refusal(module.kv_a_layernorm)
+                if refusal is None and family.key_rope_norm:
+                    refusal = norm_refusal(module.k_rope_only_layernorm, "k_rope_only_layernorm")
                 if refusal and options.kv_prolog:
                     raise NotImplementedError(f"{family.name} cannot be patched: {refusal}")
                 if family.sparse and type(module) not in probed and getattr(module, "indexer", None) is not None:
@@ -328,10 +357,10 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
     if options.cache == "paged":
         from . import generation
 
-        decoders = [(decoder, model) for decoder in _decoders(model)]
+        decoders = [(decoder, model) for decoder in generation.decoder_stacks(model)]
         for decoder, _ in decoders:
             if not generation.holds_shared_kv(decoder):
-                generation.paged_layer_count(decoder)  # refuses hybrids before anything is patched
+                generation.latent_layouts(decoder)  # refuses hybrids before anything is patched
         if not decoders:
             raise ValueError(f"cache='paged' needs the decoder (a module with embed_tokens and layers) inside "
                              f"{type(model).__name__}")
@@ -366,8 +395,8 @@ def _patch(handle: PatchHandle, model, targets: _Targets) -> None:
         from . import generation  # (the paged cache needs transformers' Cache API: imported when used)
 
         keyword = current_release().model_cache_keyword
-        for decoder, causal_lm in targets.decoders:
-            generation.install_cache_factory(decoder, causal_lm, handle, keyword)
+        for decoder, generators in targets.decoders:
+            generation.install_cache_factory(decoder, generators, handle, keyword)
     # (a dense instance patch needs no hook of its own: a class-level paged hook defers to its options)
 
 

@@ -78,7 +78,7 @@ def remote_attention_forward(self, hidden_states, attention_mask=None, position_
     patch = layer_patch(self)
     opts = patch.options  # kv_prolog=True and cache="dense": patch() refuses the rest for remote code
     batch, seq, _ = hidden_states.shape
-    q_nope, q_pe = split_query(self, hidden_states)
+    q_nope, q_pe, _ = split_query(self, hidden_states)
     kv_seq_len = seq + _past_length(past_key_value, self.layer_idx, seq)
     if position_ids is None:
         position_ids = torch.arange(kv_seq_len - seq, kv_seq_len, device=hidden_states.device)[None].expand(batch, -1)

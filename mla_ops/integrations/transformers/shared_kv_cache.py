@@ -31,9 +31,8 @@ import math
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache
 
-from .paged_cache import DEFAULT_BLOCK_SIZE, MAX_INITIAL_TOKENS_PER_ROW, PagedLayerView, real_token_flags
+from .paged_cache import DEFAULT_BLOCK_SIZE, MAX_INITIAL_TOKENS_PER_ROW, PagedCache, PagedLayerView, real_token_flags
 from .shared_kv import rope_tables
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -117,9 +116,6 @@ class SharedKvPagedLayer(PagedLayerView):
         raise NotImplementedError("SharedKvPagedCache is written by the ops in the patched attention "
                                   "(mla_ops.patch(model), whose cache is 'paged'), not by update()")
 
-    def unsupported(self, what: str):
-        _unsupported(what)
-
 
 @dataclasses.dataclass
 class SharedKvPlan:
@@ -134,7 +130,7 @@ class SharedKvPlan:
     longest: int  # host bound on seq_lens (max_cache_len in a static cache)
 
 
-class SharedKvPagedCache(Cache):
+class SharedKvPagedCache(PagedCache):
     """A transformers `Cache` of DeepSeek-V4's window rows, compressed entries and compressor states in
     paged pools (see the module docstring for what each layer holds).
 
@@ -151,41 +147,28 @@ class SharedKvPagedCache(Cache):
     """
 
     holds_shared_kv_pages = True  # how the patched attention recognises it (without importing this module)
-    # plain attributes: before transformers 5.20 the base class has read-only properties of these names
-    max_cache_len: Optional[int] = None
-    max_batch_size: Optional[int] = None
 
     def __init__(self, config, *, block_size: int = DEFAULT_BLOCK_SIZE, batch_size: Optional[int] = None,
                  max_cache_len: Optional[int] = None, static: bool = False, dtype: Optional[torch.dtype] = None,
                  device=None):
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if static and (batch_size is None or max_cache_len is None):
-            raise ValueError("SharedKvPagedCache(static=True) needs batch_size and max_cache_len")
+        self.init_bookkeeping(block_size=block_size, batch_size=batch_size, max_cache_len=max_cache_len,
+                              static=static)
         layer_types = list(config.layer_types)
         unknown = sorted(set(layer_types) - {"sliding_attention", CSA, HCA})
         if unknown:
             raise ValueError(f"config.layer_types has {unknown}: SharedKvPagedCache holds DeepSeek-V4's "
                              f"sliding_attention, {CSA} and {HCA} layers")
-        self.static = static
-        self.block_size = block_size
         self.head_dim = config.head_dim
         self.index_head_dim = config.index_head_dim
         self.sliding_window = config.sliding_window
         self.compress_rates = {t: int(config.compress_rates[t]) for t in (CSA, HCA) if t in layer_types}
         self.kinds = (WINDOW, *sorted(set(self.compress_rates.values())))
-        self.max_cache_len = max_cache_len
-        self._batch_size = batch_size
         super().__init__(layers=[SharedKvPagedLayer(self, t) for t in layer_types])
         self.plan: Optional[SharedKvPlan] = None
-        self._seen = 0  # tokens per row (what transformers calls the sequence length)
-        self._seen_tensor: Optional[torch.Tensor] = None  # the same, as a tensor, in static mode
         self._lens_host: list[int] = []  # dynamic: tokens per row
         self._rows: dict = {}  # dynamic: space -> each row's block ids (-1: freed)
         self._free: dict = {}  # dynamic: space -> free block ids
         self._num_blocks: dict = {}  # space -> blocks in each of its pools
-        self.seq_lens: Optional[torch.Tensor] = None
-        self.block_tables: Optional[torch.Tensor] = None
         self.entry_tables: dict = {}
         self._entry_cos: Optional[torch.Tensor] = None
         self._entry_sin: Optional[torch.Tensor] = None
@@ -340,27 +323,10 @@ class SharedKvPagedCache(Cache):
         return self._entry_cos, self._entry_sin
 
     # ------------------------------------------------------------------------- Cache interface
-    def get_seq_length(self, layer_idx: int = 0):
-        if self.static:
-            return self._seen_tensor if self._seen_tensor is not None else 0
-        return self._seen
+    def unsupported(self, what: str):
+        _unsupported(what)
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layers[0].get_mask_sizes(query_length)
-
-    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return self.layers[0].get_max_length()
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size if self._batch_size is not None else -1
-
-    def reset(self) -> None:
-        if self.seq_lens is not None:
-            self.seq_lens.zero_()
-        if self._seen_tensor is not None:
-            self._seen_tensor.zero_()
-        self._seen, self.plan = 0, None
+    def release_rows(self) -> None:
         for layer in self.layers:
             layer.clear_states()
         if not self.static and self._batch_size is not None:
@@ -370,17 +336,8 @@ class SharedKvPagedCache(Cache):
             self._rows = {kind: [[] for _ in range(self._batch_size)] for kind in self.kinds}
             self._lens_host = [0] * self._batch_size
 
-    def reorder_cache(self, beam_idx) -> None:
-        _unsupported("beam search (reorder_cache)")
-
     def crop(self, tokens_to_remove: int) -> None:
         _unsupported("crop")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        _unsupported("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices) -> None:
-        _unsupported("batch_select_indices")
 
     def memory_report(self) -> dict:
         """Bytes held: `pool_bytes` everything allocated (free blocks and states included), `assigned_bytes`
