@@ -320,10 +320,10 @@ def vllm_prefill(data: dict) -> tuple[Row, list[Row]]:
 def vllm_prefill_turns(data: dict) -> tuple[Row, list[Row]]:
     """`mla-ops bench vllm-prefill`: a conversation's second turn (the first prompt and new tokens) after
     the first, with the prefix cache on where the engine keeps it."""
-    header = ["dtype", "engine", "first turn s", "second turn s", "second / first",
+    header = ["dtype", "engine", "first turn s", "second turn s", "first / second",
               "prompt tokens from the prefix cache"]
     rows = [[_DTYPE[t["dtype"]], _PREFILL_SIDES[t["side"]], seconds(t["first_s"]), seconds(t["second_s"]),
-             ratio(t["second_over_first"]),
+             ratio(t["first_s"] / t["second_s"], bold=t["side"] == "plugin"),
              f"{t['second_cached_tokens'] or 0} of {t['context'] + t['new_tokens']}"
              + ("" if t["prefix_caching"] else " (prefix caching off)")] for t in data["turns"]]
     return header, rows
@@ -487,9 +487,8 @@ TABLES: dict[str, Table] = {
     "deepseek-v4-decode": Table("deepseek_v4.json", v4_decode),
     "vllm-deepseek-v4": Table("vllm_deepseek_v4.json", vllm_v4),
     "vllm-deepseek-v4-16k8": Table("vllm_deepseek_v4_16k8.json", vllm_v4),
-    "vllm-prefill": Table("vllm_prefill.json", vllm_prefill),
-    "vllm-prefill-turns": Table("vllm_prefill.json", vllm_prefill_turns),
-    "vllm-prefill-serve": Table("vllm_prefill.json", vllm_prefill_serve),
+    "vllm-prefill-avx2": Table("vllm_prefill_avx2_only.json", vllm_prefill),
+    "vllm-prefill-turns-avx2": Table("vllm_prefill_avx2_only.json", vllm_prefill_turns),
     "deepseek-v4-decode-avx2": Table("deepseek_v4_avx2_only.json", v4_decode),
     "deepseek-v4-ops": Table("deepseek_v4.json", v4_ops),
     "deepseek-v4-vllm": Table("deepseek_v4.json", v4_vllm),
