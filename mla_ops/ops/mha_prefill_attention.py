@@ -37,9 +37,9 @@ it.
 
 On other devices the reference reads the two cumulative counts on the host (one sync: the per-request
 loop needs them, and the value checks run on them too) and calls torch's
-`scaled_dot_product_attention` per request with `torch.nn.attention.bias.causal_lower_right`, the
-bottom-right causal bias, which SDPA serves with its fused (memory-efficient) kernels where the device
-has them.
+`scaled_dot_product_attention` per request with a boolean bottom-right causal mask `[q_b, k_b]` built on
+the device (a tensor subclass such as `causal_lower_right` does not pass every device's dispatch), which
+SDPA serves with its fused kernels where the device has them.
 
 Value checks (every call, ValueError before anything is computed): query_start_loc runs from 0 to T
 and key_start_loc from 0 to S without decreasing, and q_b <= k_b. A request with no query token
@@ -104,7 +104,8 @@ def check_mha_prefill_values(num_tokens: int, num_keys: int, query_start_loc: Te
                              key_start_loc: Tensor) -> list[tuple[int, int, int, int]]:
     """query_start_loc runs from 0 to T and key_start_loc from 0 to S without decreasing; q_b <= k_b.
     Returns (first query row, q_b, first key row, k_b) per request. Python integers: nothing wraps."""
-    query_starts, key_starts = query_start_loc.tolist(), key_start_loc.tolist()
+    # read on the host (a device tensor is copied first: the one host synchronisation of the device path)
+    query_starts, key_starts = query_start_loc.cpu().tolist(), key_start_loc.cpu().tolist()
     check_starts(OP, "query_start_loc", query_starts, num_tokens, "query tokens")
     check_starts(OP, "key_start_loc", key_starts, num_keys, "keys")
     requests = []
@@ -188,13 +189,15 @@ def _request_flash(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Ten
 
 
 def _request_sdpa(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Tensor:
-    """One request through torch SDPA with the bottom-right causal bias -> [q_b, N, Dv]."""
-    from torch.nn.attention.bias import causal_lower_right
-
+    """One request through torch SDPA with a bottom-right causal mask [q_b, k_b] (bool, built on the device:
+    query i sees keys 0 .. k_b - q_b + i) -> [q_b, N, Dv]."""
     if not _finite(k, v):
         return _request_exact(q, k, v, softmax_scale)
+    q_len, k_len = q.shape[0], k.shape[0]
+    rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
+    visible = rows >= torch.arange(k_len, device=q.device)[None, :]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=softmax_scale)
+                                         attn_mask=visible, scale=softmax_scale)
     return out[0].transpose(0, 1)
 
 
