@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import AMX, AUTO_STATE, load_transformers_model, random_prompts, transformers_greedy
 
-from mla_ops.testing.vllm_engine import run_llm
+from mla_ops.testing.vllm_engine import OpenAIServer, run_llm
 
 STARTUP_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 120
@@ -88,13 +88,8 @@ def _request(url: str, body=None, *, raw: bytes | None = None, timeout=REQUEST_T
         return status, text
 
 
-class Server:
-    def __init__(self, base: str, proc: subprocess.Popen, log_path: str):
-        self.base, self.proc, self.log_path = base, proc, log_path
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+class Server(OpenAIServer):
+    """A running `vllm serve` with JSON requests to it."""
 
     def post(self, path, body=None, **kw):
         return _request(self.base + path, body, **kw)

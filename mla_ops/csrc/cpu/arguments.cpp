@@ -248,21 +248,7 @@ void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q
                                  const at::Tensor& seq_lens, double softmax_scale) {
   constexpr std::string_view op = "mla_decode_attention";
   check_softmax_scale(op, softmax_scale, " (e.g. qk_head_dim ** -0.5)");
-  check_float(op, "q_latent", q_latent);
-  check_rank(op, "q_latent", q_latent, 3, "[batch, heads, kv_lora_rank] (q_nope absorbed with W_UK)");
-  check_rank(op, "q_pe", q_pe, 3, "[batch, heads, rope_dim] (rotated)");
-  check_same_dtype(op, "q_pe", q_pe, "q_latent", q_latent);
-  check_size(op, "q_pe", q_pe.size(0), q_latent.size(0), "batch (dim 0) must equal q_latent's");
-  check_size(op, "q_pe", q_pe.size(1), q_latent.size(1), "heads (dim 1) must equal q_latent's");
-  check_cache_pair(op, key_cache, value_cache);
-  check_size(op, "key_cache", key_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared latent");
-  check_size(op, "value_cache", value_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared k_pe");
-  check_size(op, "key_cache", key_cache.size(3), q_latent.size(2),
-             "dim (dim 3) must equal kv_lora_rank, the last dim of q_latent");
-  check_size(op, "value_cache", value_cache.size(3), q_pe.size(2),
-             "dim (dim 3) must equal rope_dim, the last dim of q_pe");
-  check_same_dtype(op, "key_cache", key_cache, "q_latent", q_latent);
-  check_same_dtype(op, "value_cache", value_cache, "q_latent", q_latent);
+  check_latent_query_and_caches(op, "batch", q_latent, q_pe, key_cache, value_cache);
   check_index(op, "block_tables", block_tables);
   check_rank(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]");
   check_size(op, "block_tables", block_tables.size(0), q_latent.size(0), "rows must equal the batch size");
