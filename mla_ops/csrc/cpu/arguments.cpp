@@ -373,21 +373,7 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                                      const at::Tensor& topk_indices, double softmax_scale) {
   constexpr std::string_view op = "sparse_mla_attention";
   check_softmax_scale(op, softmax_scale);
-  check_float(op, "q_latent", q_latent);
-  check_rank(op, "q_latent", q_latent, 3, "[tokens, heads, kv_lora_rank] (q_nope absorbed with W_UK)");
-  check_rank(op, "q_pe", q_pe, 3, "[tokens, heads, rope_dim] (rotated)");
-  check_same_dtype(op, "q_pe", q_pe, "q_latent", q_latent);
-  check_size(op, "q_pe", q_pe.size(0), q_latent.size(0), "tokens (dim 0) must equal q_latent's");
-  check_size(op, "q_pe", q_pe.size(1), q_latent.size(1), "heads (dim 1) must equal q_latent's");
-  check_cache_pair(op, key_cache, value_cache);
-  check_size(op, "key_cache", key_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared latent");
-  check_size(op, "value_cache", value_cache.size(2), 1, "heads (dim 2) must be 1: MLA caches one shared k_pe");
-  check_size(op, "key_cache", key_cache.size(3), q_latent.size(2),
-             "dim (dim 3) must equal kv_lora_rank, the last dim of q_latent");
-  check_size(op, "value_cache", value_cache.size(3), q_pe.size(2),
-             "dim (dim 3) must equal rope_dim, the last dim of q_pe");
-  check_same_dtype(op, "key_cache", key_cache, "q_latent", q_latent);
-  check_same_dtype(op, "value_cache", value_cache, "q_latent", q_latent);
+  check_latent_query_and_caches(op, "tokens", q_latent, q_pe, key_cache, value_cache);
   check_requests(op, block_tables, seq_lens, query_start_loc);
   check_index(op, "topk_indices", topk_indices);
   check_rank(op, "topk_indices", topk_indices, 2, "[tokens, topk] (request-local positions, -1 = none)");
