@@ -52,6 +52,18 @@ class AskedConfig:
             cache.enable_prefix_caching = self.enable_prefix_caching
         return AskedConfig.of(vllm_config) != before
 
+    def keep_chunked_prefill(self, vllm_config, compilation_refusal: str | None, served: str, why: str) -> None:
+        """The amendment of a route that runs eagerly and attends every token, prefill chunk or decode, over its
+        request's cache: refuse a compiled configuration (`compilation_refusal`, the reason or None), put chunked
+        prefill and the token budget back as asked (prefix caching stays as vLLM set it) and log it for
+        `served` (what the route serves), with `why`."""
+        if compilation_refusal is not None:
+            raise NotImplementedError(f"mla-ops vLLM plugin: {compilation_refusal}")
+        if not self.restore(vllm_config, prefix_caching=False):
+            return
+        logger.info("mla-ops vLLM plugin: %s: chunked prefill %s, max_num_batched_tokens=%d kept (%s)", served,
+                    "on" if self.enable_chunked_prefill else "off", self.max_num_batched_tokens, why)
+
 
 Amendment = Callable[..., None]  # (vllm_config, asked: AskedConfig) -> None
 # name -> amendment, run after vLLM's method in insertion order

