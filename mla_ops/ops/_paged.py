@@ -15,6 +15,8 @@ Two kinds of validation:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -34,6 +36,28 @@ def check_cache_pair(op: str, key_cache: Tensor, value_cache: Tensor) -> None:
     # an empty pool has no slot to clamp ids into: the sync-free paths could not stay in bounds
     torch._check(key_cache.shape[0] >= 1, lambda: f"mla.{op}: key_cache needs at least one block (dim 0), got 0")
     torch._check(key_cache.shape[1] >= 1, lambda: f"mla.{op}: block_size (key_cache dim 1) must be >= 1, got 0")
+
+
+def check_sinks(op: str, sinks, q: Tensor, q_name: str = "q") -> None:
+    """sinks [heads] (fp32 or q's dtype), one sink logit per head of `q` [rows, heads, dim], or None."""
+    if sinks is None:
+        return
+    check_float(op, "sinks", sinks)
+    check_rank(op, "sinks", sinks, 1, "[heads] (one sink logit per head)")
+    check_size(op, "sinks", sinks.shape[0], q.shape[1], f"length must equal the heads of {q_name} (dim 1)")
+    torch._check(sinks.dtype in (torch.float32, q.dtype),
+                 lambda: f"mla.{op}: sinks must be float32 or {q_name}'s dtype {q.dtype}, got {sinks.dtype}")
+
+
+def softmax_with_sinks(scores: Tensor, sinks) -> Tensor:
+    """softmax over the last dim of `scores` [rows, heads, width] (fp32 / fp64) with one more logit per head,
+    `sinks` [heads] (None: a plain softmax), in the denominator only: with M = max(max_j s_j, sink),
+    p_j = exp(s_j - M) / (sum_i exp(s_i - M) + exp(sink - M)). A row of only -inf scores gets zeros with a
+    finite sink (NaN without one: the callers zero such rows)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(scores.dtype)[None, :, None].expand(scores.shape[0], -1, 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
 
 
 def check_token_tensor(op: str, name: str, t: Tensor, cache_name: str, cache: Tensor) -> None:
@@ -78,24 +102,29 @@ def first_bad(mask: Tensor) -> int:
     return int(torch.nonzero(mask)[0, 0])
 
 
-def check_used_block_ids(op: str, block_tables: Tensor, used: list[int], num_blocks: int) -> None:
-    """Every block id row b uses (its first `used[b]` columns) lies in [0, num_blocks).
+def check_used_block_ids(op: str, block_tables: Tensor, used: list[int], num_blocks: int,
+                         first: Optional[list[int]] = None, name: str = "block_tables") -> None:
+    """Every block id row b reads (its columns first[b] <= j < used[b]; from 0 without `first`) lies in
+    [0, num_blocks); `name` names the table in the message.
 
-    Runs on every CPU call: when every row uses the same number of columns one min/max over that
-    window decides; the offending entry is located only once something is wrong."""
+    Runs on every CPU call: when every row reads the same columns from 0 one min/max over that window
+    decides; the offending entry is located only once something is wrong."""
     if not used or max(used) == 0:
         return
     window = block_tables[:, :max(used)]
-    if min(used) == max(used):
+    if min(used) == max(used) and not any(first or ()):
         lowest, highest = (int(v) for v in torch.aminmax(window))
         if lowest >= 0 and highest < num_blocks:
             return
     tables = window.cpu().long()
-    in_use = torch.arange(tables.shape[1])[None, :] < torch.tensor(used)[:, None]
-    bad = in_use & ((tables < 0) | (tables >= num_blocks))
+    column = torch.arange(tables.shape[1])[None, :]
+    read = column < torch.tensor(used)[:, None]
+    if first is not None:
+        read &= column >= torch.tensor(first, dtype=torch.int64)[:, None]
+    bad = read & ((tables < 0) | (tables >= num_blocks))
     if bool(bad.any()):
         b, j = (int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"mla.{op}: block_tables[{b}, {j}] = {int(tables[b, j])} is used by sequence {b} "
+        raise ValueError(f"mla.{op}: {name}[{b}, {j}] = {int(tables[b, j])} is used by sequence {b} "
                          f"but is not a block id in [0, {num_blocks})")
 
 

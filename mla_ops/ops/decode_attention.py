@@ -9,6 +9,19 @@ the kernel reads L+R values shared by all heads, instead of N*(P+R+V) for materi
 
 The caller multiplies o_latent by W_UV and o_proj.
 
+Sinks (optional, `sinks [N]` fp32 or the query dtype): one learned logit per head that joins the softmax
+denominator and contributes no value (HY-V4's `sinks`, DeepSeek-V4's and gpt-oss's attention sinks): with
+M = max(max_t scores[b, n, t], sinks[n]),
+
+    p[b, n, t] = exp(scores[b, n, t] - M) / (sum_t' exp(scores[b, n, t'] - M) + exp(sinks[n] - M))
+
+A sink of -inf is no sink.
+
+Sliding window (optional, `sliding_window` W >= 1; 0: none): sequence b attends to its last W cached tokens only,
+positions max(0, seq_lens[b] - W) .. seq_lens[b] - 1 (its current token included), and only their blocks are
+read (blocks before the window may hold anything, ids of freed blocks included): a sliding-window layer's decode
+(dots3_note).
+
 Precision: the score GEMMs and the output GEMM run in the activation dtype with fp32 accumulation,
 and the softmax runs in fp32. For bf16/fp16 that rounds each of the two score terms (latent and
 rope parts, summed in fp32) and each probability once to the activation dtype (relative 2^-9 for
@@ -32,7 +45,13 @@ from .._checks import (
     memo_by_signature,
 )
 from .._library import define_op
-from ._paged import check_latent_query_and_caches, check_used_block_ids, validates_on_host
+from ._paged import (
+    check_latent_query_and_caches,
+    check_sinks,
+    check_used_block_ids,
+    softmax_with_sinks,
+    validates_on_host,
+)
 
 OP = "mla_decode_attention"
 
@@ -40,11 +59,14 @@ OP = "mla_decode_attention"
 # ----------------------------------------------------------------------------------------- checks
 @memo_by_signature
 def check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                softmax_scale: float) -> None:
+                                softmax_scale: float, sinks=None, sliding_window: int = 0) -> None:
     """q_latent [B, N, L], q_pe [B, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache
     [NB, bs, 1, R] (k_pe); block_tables [B, max_blocks]; seq_lens [B] (including the current token);
-    softmax_scale a positive normal float32 number (`check_softmax_scale`)."""
+    softmax_scale a positive normal float32 number (`check_softmax_scale`); sinks [N] (fp32 or
+    q_latent's dtype) or None; sliding_window >= 0."""
     check_softmax_scale(OP, softmax_scale, " (e.g. qk_head_dim ** -0.5)")
+    torch._check(sliding_window >= 0, lambda: f"mla.{OP}: sliding_window must be >= 0 (0: every cached token; W >= 1: "
+                 f"the last W, the current one included), got {sliding_window}")
     check_latent_query_and_caches(OP, "batch", q_latent, q_pe, key_cache, value_cache)
     check_index(OP, "block_tables", block_tables)
     check_rank(OP, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]")
@@ -52,12 +74,16 @@ def check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_ta
     check_index(OP, "seq_lens", seq_lens)
     check_rank(OP, "seq_lens", seq_lens, 1, "[batch]")
     check_size(OP, "seq_lens", seq_lens.shape[0], q_latent.shape[0], "length must equal the batch size")
+    check_sinks(OP, sinks, q_latent, "q_latent")
     check_same_device(OP, {"q_latent": q_latent, "q_pe": q_pe, "key_cache": key_cache,
-                           "value_cache": value_cache, "block_tables": block_tables, "seq_lens": seq_lens})
+                           "value_cache": value_cache, "block_tables": block_tables, "seq_lens": seq_lens,
+                           "sinks": sinks})
 
 
-def check_decode_values(block_tables: Tensor, seq_lens: Tensor, num_blocks: int, block_size: int) -> int:
-    """1 <= seq_lens <= table capacity, every used block id in range. Returns max(seq_lens).
+def check_decode_values(block_tables: Tensor, seq_lens: Tensor, num_blocks: int, block_size: int,
+                        sliding_window: int = 0) -> int:
+    """1 <= seq_lens <= table capacity, every block id read in range (with a sliding window W, those of the
+    window's blocks only). Returns max(seq_lens).
 
     Runs on every CPU decode step, so it stays at a handful of small ops (lengths as a Python list,
     one min/max over the used window) and only locates the offending entry once something is wrong."""
@@ -73,12 +99,15 @@ def check_decode_values(block_tables: Tensor, seq_lens: Tensor, num_blocks: int,
             raise ValueError(f"mla.{OP}: seq_lens[{b}] = {n} exceeds the block table's capacity "
                              f"({block_tables.shape[1]} blocks x {block_size} tokens)")
     used = [-(-n // block_size) for n in lens]
-    check_used_block_ids(OP, block_tables, used, num_blocks)
+    first = [max(0, n - sliding_window) // block_size for n in lens] if sliding_window else None
+    check_used_block_ids(OP, block_tables, used, num_blocks, first=first)
     return max(lens)
 
 
-def _mla_decode_attention_fake(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale):
-    check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale)
+def _mla_decode_attention_fake(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
+                               sinks=None, sliding_window=0):
+    check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale, sinks,
+                                sliding_window)
     return q_latent.new_empty(q_latent.shape)
 
 
@@ -136,7 +165,7 @@ def _strided_context(cache: Tensor, block_ids: Tensor):
 
 def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_lens: Tensor,
             softmax_scale: float, mask: bool, out_len: Optional[int] = None,
-            attended: Optional[Tensor] = None) -> Tensor:
+            attended: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tensor:
     """Scores over the gathered context [B, T, L] / [B, T, R] -> o_latent [B, N, L]. With `mask`,
     positions at or past a row's length are not attended (or, when given, those where `attended`
     [B, T] bool is False), and a row with no position left (seq_lens <= 0: a padding row of a
@@ -147,7 +176,8 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
     `probs @ latent` (those past it are masked, and may hold anything); the score GEMM keeps the
     whole-block width, because ATen's CPU bf16 GEMM is ~60x slower when that width is not a
     multiple of the block (measured 14 ms vs 0.23 ms at 2000 vs 2048 positions), while the output
-    GEMM is not (it reduces over the positions)."""
+    GEMM is not (it reduces over the positions). `sinks` [N]: one more logit per head in the softmax
+    denominator (`softmax_with_sinks`)."""
     score_dtype = torch.promote_types(q_latent.dtype, torch.float32)  # fp32; fp64 stays fp64
     scores = torch.bmm(q_latent, latent.transpose(1, 2)).to(score_dtype)  # [B, N, T]
     scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).to(score_dtype)
@@ -157,7 +187,7 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
             positions = torch.arange(latent.shape[1], device=latent.device)
             attended = positions[None, :] < seq_lens.long()[:, None]
         scores.masked_fill_(~attended[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, sinks)
     if mask:
         probs.masked_fill_(~attended.any(dim=1)[:, None, None], 0.0)
     if out_len is not None and out_len != latent.shape[1]:
@@ -166,7 +196,8 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
 
 
 def decode_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
-                      block_tables: Tensor, seq_lens: Tensor, softmax_scale: float) -> Tensor:
+                      block_tables: Tensor, seq_lens: Tensor, softmax_scale: float,
+                      sinks: Optional[Tensor] = None, sliding_window: int = 0) -> Tensor:
     """Device path (CUDA, ...): no host sync, so graph-capturable. The whole table width is gathered
     (a static shape), ids are clamped into the pool so nothing is read out of bounds whatever the
     values, and every row is masked to its length (ids past it are never attended). A position
@@ -185,19 +216,26 @@ def decode_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_ca
     positions = torch.arange(latent.shape[1], device=latent.device)
     valid_ids = ((ids >= 0) & (ids < num_blocks)).repeat_interleave(block_size, dim=1)  # [B, T]
     attended = (positions[None, :] < seq_lens.long()[:, None]) & valid_ids
+    if sliding_window:
+        attended &= positions[None, :] >= seq_lens.long()[:, None] - sliding_window
     latent.masked_fill_(~attended[:, :, None], 0)
-    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask=True, attended=attended)
+    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask=True, attended=attended, sinks=sinks)
 
 
 def mla_decode_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
-                                   block_tables: Tensor, seq_lens: Tensor, softmax_scale: float) -> Tensor:
+                                   block_tables: Tensor, seq_lens: Tensor, softmax_scale: float,
+                                   sinks: Optional[Tensor] = None, sliding_window: int = 0) -> Tensor:
     """-> o_latent [B, N, L] in q_latent's dtype."""
     if key_cache.device.type != "cpu":
-        return decode_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale)
+        return decode_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
+                                sinks, sliding_window)
     batch = q_latent.shape[0]
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     # Only the blocks the longest sequence uses (host-known on CPU, and validated).
-    longest = check_decode_values(block_tables, seq_lens, num_blocks, block_size)
+    longest = check_decode_values(block_tables, seq_lens, num_blocks, block_size, sliding_window)
+    if sliding_window and longest > sliding_window:  # blocks before a window may hold anything: masked, zeroed
+        return decode_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
+                                sinks, sliding_window)
     blocks = math.ceil(longest / block_size)
     if batch == 0 or blocks == 0:
         return q_latent.new_zeros(q_latent.shape)
@@ -221,19 +259,20 @@ def mla_decode_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Te
     # Positions past the longest row (the tail of its last block, possibly a view of the pool) are
     # masked in the scores and left out of the output GEMM.
     mask = ragged or longest != latent.shape[1]
-    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask, out_len=longest)
+    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask, out_len=longest, sinks=sinks)
 
 
 MLA_DECODE_ATTENTION = define_op(
     "mla_decode_attention(Tensor q_latent, Tensor q_pe, Tensor key_cache, Tensor value_cache, "
-    "Tensor block_tables, Tensor seq_lens, float softmax_scale) -> Tensor",
+    "Tensor block_tables, Tensor seq_lens, float softmax_scale, Tensor? sinks=None, int sliding_window=0) -> Tensor",
     check=check_decode_attention_args, fake=_mla_decode_attention_fake, reference=mla_decode_attention_reference,
 )
 
 
 # ---------------------------------------------------------------------------------- public wrapper
 def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
-                         block_tables: Tensor, seq_lens: Tensor, softmax_scale: float, *,
+                         block_tables: Tensor, seq_lens: Tensor, softmax_scale: float,
+                         sinks: Optional[Tensor] = None, sliding_window: int = 0, *,
                          validate: bool = False) -> Tensor:
     """Absorbed MQA decode over the paged latent cache: one query token per sequence.
 
@@ -245,13 +284,16 @@ def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
         block_tables: `[B, max_blocks]`; seq_lens: `[B]`, cached tokens per sequence including the
             current one.
         softmax_scale: the attention scale (DeepSeek-V2: qk_head_dim**-0.5 times the YaRN mscale squared).
+        sinks: `[N]` per-head sink logits (fp32 or q_latent's dtype) in the softmax denominator, or None.
+        sliding_window: W >= 1 attends to each sequence's last W cached tokens only (0: all of them).
         validate: check seq_lens / block ids on non-CPU devices (CPU always checks).
     Returns:
-        `o_latent [B, N, L]` = softmax(scale * (q_latent·latent + q_pe·k_pe)) · latent, to be
+        `o_latent [B, N, L]` = softmax(scale * (q_latent·latent + q_pe·k_pe), sinks) · latent, to be
         multiplied by W_UV and o_proj by the caller.
     """
     if validates_on_host(validate, key_cache):
-        check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale)
-        check_decode_values(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
+        check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
+                                    sinks, sliding_window)
+        check_decode_values(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1], sliding_window)
     return torch.ops.mla.mla_decode_attention.default(q_latent, q_pe, key_cache, value_cache, block_tables,
-                                                      seq_lens, softmax_scale)
+                                                      seq_lens, softmax_scale, sinks, sliding_window)

@@ -76,7 +76,7 @@ from .._checks import (
     memo_by_signature,
 )
 from .._library import define_op
-from ._paged import validates_on_host
+from ._paged import check_sinks, check_used_block_ids, softmax_with_sinks, validates_on_host
 from .sparse_attention import (
     _CHUNK_ELEMENTS,
     _check_requests,
@@ -119,12 +119,7 @@ def check_shared_kv_attention_args(q, kv_cache, block_tables, seq_lens, query_st
     check_rank(op, "q", q, 3, "[tokens, heads, head_dim] (normed, rotated queries)")
     _check_pool(op, "kv_cache", kv_cache, q, "the window rows, one per token")
     _check_requests(op, block_tables, seq_lens, query_start_loc)
-    if sinks is not None:
-        check_float(op, "sinks", sinks)
-        check_rank(op, "sinks", sinks, 1, "[heads] (one sink logit per head)")
-        check_size(op, "sinks", sinks.shape[0], q.shape[1], "length must equal the heads of q (dim 1)")
-        torch._check(sinks.dtype in (torch.float32, q.dtype),
-                     lambda: f"mla.{op}: sinks must be float32 or q's dtype {q.dtype}, got {sinks.dtype}")
+    check_sinks(op, sinks, q)
     if compressed_cache is None:
         torch._check(compressed_block_tables is None,
                      lambda: f"mla.{op}: compressed_block_tables was given without compressed_cache; pass both "
@@ -154,18 +149,8 @@ def check_shared_kv_attention_args(q, kv_cache, block_tables, seq_lens, query_st
 
 def _check_read_block_ids(name: str, tables: Tensor, columns: list[tuple[int, int]], num_blocks: int) -> None:
     """Every block id row b reads (its columns columns[b][0] <= j < columns[b][1]) lies in [0, num_blocks)."""
-    end = max((last for _, last in columns), default=0)
-    if end == 0:
-        return
-    window = tables[:, :end].cpu().long()
-    ranges = torch.tensor(columns, dtype=torch.int64).view(-1, 2)
-    column = torch.arange(end)[None, :]
-    read = (column >= ranges[:, :1]) & (column < ranges[:, 1:])
-    bad = read & ((window < 0) | (window >= num_blocks))
-    if bool(bad.any()):
-        b, j = (int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"mla.{OP}: {name}[{b}, {j}] = {int(window[b, j])} is used by sequence {b} but is not a "
-                         f"block id in [0, {num_blocks})")
+    check_used_block_ids(OP, tables, [last for _, last in columns], num_blocks, first=[f for f, _ in columns],
+                         name=name)
 
 
 def check_shared_kv_values(num_tokens: int, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
@@ -292,7 +277,6 @@ def shared_kv_attention_sync_free(q: Tensor, kv_cache: Tensor, block_tables: Ten
         return out
     compute = torch.promote_types(q.dtype, torch.float32)
     request, position = token_positions(seq_lens, query_start_loc, num_tokens)
-    sink_logits = None if sinks is None else sinks.to(compute)[None, :, None]  # [1, H, 1]
     window_offsets = torch.arange(1 - window_width, 1, device=q.device)  # ascending, ending at p
     entries = torch.arange(entry_width, device=q.device)
     chunk = max(1, _CHUNK_ELEMENTS // (width * max(dim, heads)))
@@ -316,11 +300,7 @@ def shared_kv_attention_sync_free(q: Tensor, kv_cache: Tensor, block_tables: Ten
         keys = keys.to(compute).masked_fill_(~valid[:, :, None], 0)
         logits = torch.bmm(q[rows].to(compute), keys.transpose(1, 2)) * softmax_scale  # [t, H, width]
         logits.masked_fill_(~valid[:, None, :], float("-inf"))
-        if sink_logits is None:
-            probs = torch.softmax(logits, dim=-1)
-        else:  # one more column in the denominator, none in the output
-            probs = torch.softmax(torch.cat([logits, sink_logits.expand(logits.shape[0], -1, -1)], dim=-1),
-                                  dim=-1)[..., :-1]
+        probs = softmax_with_sinks(logits, sinks)  # one more column in the denominator, none in the output
         probs.masked_fill_(~valid.any(dim=1)[:, None, None], 0.0)  # nothing to attend to: zeros, not NaN
         out[rows] = torch.bmm(probs, keys).to(out.dtype)
     return out

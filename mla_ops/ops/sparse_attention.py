@@ -17,6 +17,9 @@ Indices are request-local positions plus a block table, torch_npu's convention
     sparse out[t, n]     = softmax_{j in idx[t]}(scale * (q_latent[t, n] . latent[j] + q_pe[t, n] . k_pe[j]))
                            . latent[idx[t]]
 
+With `sinks [N]` the softmax of the attention has one more logit per head in its denominator, as
+`mla.mla_decode_attention` takes it (HY-V4's sparse layers: DeepSeek Sparse Attention with sinks).
+
 What the indexer keeps of the DeepSeek-V3.2 reference pipeline (`inference/model.py` of
 deepseek-ai/DeepSeek-V3.2-Exp): the scores themselves. Its Hadamard rotation of q and k is
 orthogonal (dot products are unchanged) and its fp8 quantisation of both is a storage format; like
@@ -37,6 +40,7 @@ in float32.
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -52,7 +56,13 @@ from .._checks import (
     memo_by_signature,
 )
 from .._library import define_op
-from ._paged import check_latent_query_and_caches, check_used_block_ids, validates_on_host
+from ._paged import (
+    check_latent_query_and_caches,
+    check_sinks,
+    check_used_block_ids,
+    softmax_with_sinks,
+    validates_on_host,
+)
 
 INDEXER = "lightning_indexer"
 SPARSE = "sparse_mla_attention"
@@ -115,9 +125,10 @@ def check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, qu
 
 @memo_by_signature
 def check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                    topk_indices, softmax_scale: float) -> None:
+                                    topk_indices, softmax_scale: float, sinks=None) -> None:
     """q_latent [T, N, L], q_pe [T, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache [NB, bs, 1, R]
-    (k_pe); the request tensors; topk_indices [T, K] int32/int64; softmax_scale as for the indexer."""
+    (k_pe); the request tensors; topk_indices [T, K] int32/int64; softmax_scale as for the indexer;
+    sinks [N] (fp32 or q_latent's dtype) or None."""
     op = SPARSE
     check_softmax_scale(op, softmax_scale)
     check_latent_query_and_caches(op, "tokens", q_latent, q_pe, key_cache, value_cache)
@@ -125,9 +136,10 @@ def check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, bloc
     check_index(op, "topk_indices", topk_indices)
     check_rank(op, "topk_indices", topk_indices, 2, "[tokens, topk] (request-local positions, -1 = none)")
     check_size(op, "topk_indices", topk_indices.shape[0], q_latent.shape[0], "tokens (dim 0) must equal q_latent's")
+    check_sinks(op, sinks, q_latent, "q_latent")
     check_same_device(op, {"q_latent": q_latent, "q_pe": q_pe, "key_cache": key_cache, "value_cache": value_cache,
                            "block_tables": block_tables, "seq_lens": seq_lens, "query_start_loc": query_start_loc,
-                           "topk_indices": topk_indices})
+                           "topk_indices": topk_indices, "sinks": sinks})
 
 
 def check_starts(op: str, name: str, starts: list[int], total: int, counted: str) -> None:
@@ -198,9 +210,9 @@ def _lightning_indexer_fake(q, weights, k_cache, block_tables, seq_lens, query_s
 
 
 def _sparse_mla_attention_fake(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                               topk_indices, softmax_scale):
+                               topk_indices, softmax_scale, sinks=None):
     check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                    topk_indices, softmax_scale)
+                                    topk_indices, softmax_scale, sinks)
     return q_latent.new_empty(q_latent.shape)
 
 
@@ -286,19 +298,21 @@ def lightning_indexer_sync_free(q: Tensor, weights: Tensor, k_cache: Tensor, blo
 
 def sparse_mla_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                                    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                                   topk_indices: Tensor, softmax_scale: float) -> Tensor:
+                                   topk_indices: Tensor, softmax_scale: float,
+                                   sinks: Optional[Tensor] = None) -> Tensor:
     """-> o_latent [T, N, L] in q_latent's dtype. The CPU value checks, then `sparse_mla_attention_sync_free`."""
     if key_cache.device.type == "cpu":
         requests = check_request_values(SPARSE, q_latent.shape[0], block_tables, seq_lens, query_start_loc,
                                         key_cache.shape[0], key_cache.shape[1])
         check_index_values(topk_indices, requests)
     return sparse_mla_attention_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                          query_start_loc, topk_indices, softmax_scale)
+                                          query_start_loc, topk_indices, softmax_scale, sinks)
 
 
 def sparse_mla_attention_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                                    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                                   topk_indices: Tensor, softmax_scale: float) -> Tensor:
+                                   topk_indices: Tensor, softmax_scale: float,
+                                   sinks: Optional[Tensor] = None) -> Tensor:
     """The reference sparse attention's device path, no host sync and no value check: an index that is
     not a cached position of its request (or whose block id is outside the pool, or a table without
     columns) attends to nothing, like -1; nothing is read out of bounds whatever the values."""
@@ -327,7 +341,7 @@ def sparse_mla_attention_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Te
         scores += torch.bmm(q_pe[rows].to(score_dtype), k_pe.transpose(1, 2))
         scores *= softmax_scale
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = softmax_with_sinks(scores, sinks)
         probs.masked_fill_(~valid.any(dim=1)[:, None, None], 0.0)  # nothing listed: zeros, not NaN
         # P rounded once to the activation dtype, as the decode kernels do before P @ latent
         probs = probs.to(q_latent.dtype).to(score_dtype)
@@ -342,7 +356,7 @@ LIGHTNING_INDEXER = define_op(
 )
 SPARSE_MLA_ATTENTION = define_op(
     "sparse_mla_attention(Tensor q_latent, Tensor q_pe, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-    "Tensor seq_lens, Tensor query_start_loc, Tensor topk_indices, float softmax_scale) -> Tensor",
+    "Tensor seq_lens, Tensor query_start_loc, Tensor topk_indices, float softmax_scale, Tensor? sinks=None) -> Tensor",
     check=check_sparse_mla_attention_args, fake=_sparse_mla_attention_fake, reference=sparse_mla_attention_reference,
 )
 
@@ -383,7 +397,8 @@ def lightning_indexer(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables:
 
 def sparse_mla_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                          block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, topk_indices: Tensor,
-                         softmax_scale: float, *, validate: bool = False) -> Tensor:
+                         softmax_scale: float, sinks: Optional[Tensor] = None, *,
+                         validate: bool = False) -> Tensor:
     """Absorbed MQA attention of each query token over its own list of cached positions.
 
     Args:
@@ -394,18 +409,19 @@ def sparse_mla_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
         topk_indices: `[T, K]` int32/int64 request-local positions (`lightning_indexer`'s output), -1 = none;
             a position listed twice is attended twice.
         softmax_scale: the attention scale, a positive normal float32 number.
+        sinks: `[N]` per-head sink logits (fp32 or q_latent's dtype) in the softmax denominator, or None.
         validate: check the index values on non-CPU devices (CPU always checks).
     Returns:
         `o_latent [T, N, L]` (zeros for a token with no position listed), to be multiplied by W_UV.
     """
     if validates_on_host(validate, key_cache):
         check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                        query_start_loc, topk_indices, softmax_scale)
+                                        query_start_loc, topk_indices, softmax_scale, sinks)
         requests = check_request_values(SPARSE, q_latent.shape[0], block_tables, seq_lens, query_start_loc,
                                         key_cache.shape[0], key_cache.shape[1])
         check_index_values(topk_indices.cpu(), requests)
     return torch.ops.mla.sparse_mla_attention.default(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                                      query_start_loc, topk_indices, softmax_scale)
+                                                      query_start_loc, topk_indices, softmax_scale, sinks)
 
 
 TO_GLOBAL_SLOTS = "to_global_slots"

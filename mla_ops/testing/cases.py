@@ -682,6 +682,26 @@ def _decode_sample(name, d: Dims, dtype, block_size: int, lens, *, num_blocks=No
     return Sample(name, (q_latent, q_pe, kc, vc, tables, seq_lens, (d.P + d.R) ** -0.5))
 
 
+def _with_sinks(sample: Sample, name: str, sink_dtype, seed: int) -> Sample:
+    """`sample` of an absorbed attention op (q_latent [rows, N, L] first) with per-head sinks [N] appended:
+    O(1) logits against O(1) scores, so the sink's share of each denominator is far from 0 and 1."""
+    heads = sample.args[0].shape[1]
+    return Sample(name, (*sample.args, _randn(heads, dtype=sink_dtype, seed=seed, scale=1.5)))
+
+
+def _sink_errors(op: str, call, heads: int, q_name: str):
+    """The sinks argument's metadata errors, for ops whose q (`q_name`, float32 in the error bases) has `heads`."""
+    return [
+        ErrorInput("sinks-length", call(sinks=torch.randn(heads + 1)), "sinks",
+                   rf"{op}: sinks length must equal the heads of {q_name}"),
+        ErrorInput("sinks-rank", call(sinks=torch.randn(heads, 1)), "sinks", rf"{op}: sinks must be 1-D"),
+        ErrorInput("sinks-other-half-dtype", call(sinks=torch.randn(heads).half()), "sinks",
+                   rf"{op}: sinks must be float32 or {q_name}'s dtype torch.float32, got torch.float16"),
+        ErrorInput("sinks-device", call(sinks=torch.randn(heads, device="meta")), "sinks",
+                   rf"{op}: all tensors must be on one device"),
+    ]
+
+
 def _decode_samples(dtype):
     d = SMALL
     return [
@@ -693,7 +713,24 @@ def _decode_samples(dtype):
         _decode_sample("v2lite-ragged", LITE, dtype, 64, [300, 17, 64]),
         _decode_sample("v2lite-block-128", LITE, dtype, 128, [129, 256]),
         _decode_sample("empty-batch", d, dtype, 4, []),
+        _with_sinks(_decode_sample("", d, dtype, 4, [5, 1, 12], seed=20), "sinks-ragged", torch.float32, seed=24),
+        _with_sinks(_decode_sample("", LITE, dtype, 64, [300, 17], seed=30), "v2lite-sinks-activation-dtype", dtype,
+                    seed=34),
+        _windowed(_decode_sample("", d, dtype, 4, [5, 1, 12, 9], seed=40), "sliding-window-freed-blocks", 6),
+        _windowed(_with_sinks(_decode_sample("", LITE, dtype, 16, [300, 40], seed=44), "", torch.float32, seed=48),
+                  "v2lite-window-128-sinks", 128),
     ]
+
+
+def _windowed(sample: Sample, name: str, window: int) -> Sample:
+    """A decode `sample` (sinks appended or not) attending to each sequence's last `window` tokens: sinks None where
+    the sample has none, and the block-table entries wholly before a window set to -1, as freed blocks are."""
+    q_latent, q_pe, kc, vc, tables, seq_lens, scale, *sinks = sample.args
+    block_size = kc.shape[1]
+    tables = tables.clone()
+    for b, n in enumerate(seq_lens.tolist()):
+        tables[b, : max(0, n - window) // block_size] = -1
+    return Sample(name, (q_latent, q_pe, kc, vc, tables, seq_lens, scale, sinks[0] if sinks else None, window))
 
 
 def _decode_errors():
@@ -734,6 +771,14 @@ def _decode_errors():
                    ValueError),
         ErrorInput("block-id-near--2**63", call(block_tables=torch.tensor([[0, 1], [-(2**63), 2]])), "block_tables",
                    r"block_tables\[1, 0\] = -9223372036854775808 is used by sequence 1", ValueError),
+        *_sink_errors(op, call, 3, "q_latent"),
+        ErrorInput("sliding_window-negative", call(sinks=None, sliding_window=-1), "sliding_window",
+                   rf"{op}: sliding_window must be >= 0"),
+        # a window reads its own blocks only: a bad id there is refused, one before it is never read
+        ErrorInput("window-block-id", call(sinks=None, sliding_window=1,
+                                           block_tables=torch.tensor([[-1, 7], [0, 2]], dtype=torch.int32)),
+                   "block_tables", r"block_tables\[0, 1\] = 7 is used by sequence 0 but is not a block id in \[0, 6\)",
+                   ValueError),
     ]
 
 
@@ -944,6 +989,10 @@ def _sparse_samples(dtype):
         _sparse_sample("topk-width-0", d, dtype, [5], [1], topk=0),
         _sparse_sample("no-tokens", d, dtype, [3, 0], [0, 0], topk=3),
         _sparse_sample("v32-dims-top-2048", v32, dtype, [2100, 40], [1, 2], topk=2048, block_size=64, seed=12),
+        _with_sinks(_sparse_sample("", d, dtype, *mixed, topk=5, seed=20), "prefill-decode-chunk-sinks", torch.float32,
+                    seed=26),
+        _with_sinks(_sparse_sample("", d, dtype, [6, 3], [2, 1], topk=4, block_size=1, seed=28),
+                    "block-size-1-sinks-activation-dtype", dtype, seed=34),
     ]
 
 
@@ -981,6 +1030,7 @@ def _sparse_errors():
                                                                         [1, 0, -1]])),
                    "topk_indices", r"topk_indices\[1, 0\] = 9223372036854775807 is not a position of request 1",
                    ValueError),
+        *_sink_errors(op, call, 2, "q_latent"),
     ]
 
 
@@ -1365,12 +1415,7 @@ def _shared_kv_errors():
                    rf"{op}: kv_cache has dtype torch.float16 but q"),
         ErrorInput("kv_cache-empty-pool", call(kv_cache=torch.randn(0, 4, 1, 8)), "kv_cache",
                    rf"{op}: kv_cache needs at least one block"),
-        ErrorInput("sinks-length", call(sinks=torch.randn(3)), "sinks", rf"{op}: sinks length must equal the heads"),
-        ErrorInput("sinks-rank", call(sinks=torch.randn(2, 1)), "sinks", rf"{op}: sinks must be 1-D"),
-        ErrorInput("sinks-other-half-dtype", call(sinks=torch.randn(2).half()), "sinks",
-                   rf"{op}: sinks must be float32 or q's dtype torch.float32, got torch.float16"),
-        ErrorInput("sinks-device", call(sinks=torch.randn(2, device="meta")), "sinks",
-                   rf"{op}: all tensors must be on one device"),
+        *_sink_errors(op, call, 2, "q"),
         ErrorInput("sliding_window-zero", call(sliding_window=0), "sliding_window",
                    rf"{op}: sliding_window must be >= 1"),
         ErrorInput("compress_ratio-zero", call(compress_ratio=0), "compress_ratio",

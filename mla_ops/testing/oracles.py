@@ -145,17 +145,33 @@ def scatter_pa_kv_cache_oracle(key, value, key_cache, value_cache, slot_mapping)
     return key_cache, value_cache
 
 
-def mla_decode_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale):
+def _sink_softmax(scores: Tensor, sinks) -> Tensor:
+    """Each head's softmax over scores [N, K] (fp64) with its sink logit sinks[n] (None: none) added to the
+    denominator only: exp(s_k - M) / (sum_k exp(s_k - M) + exp(sink_n - M)), M = max(max_k s_k, sink_n)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = _f64(sinks)[:, None]
+    top = torch.maximum(scores.max(dim=-1, keepdim=True).values, sink)
+    weights = torch.exp(scores - top)
+    return weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+
+
+def mla_decode_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
+                                sinks=None, sliding_window=0):
     """-> (o_latent [B, N, L],): per sequence, softmax(scale * (q_latent latent^T + q_pe k_pe^T)) latent
-    over its first seq_lens[b] cached tokens, the latent and k_pe read token by token from the pool."""
+    over its first seq_lens[b] cached tokens (the last `sliding_window` of them when it is >= 1), the latent
+    and k_pe read token by token from the pool; with `sinks` [N] each head's sink logit joins its
+    denominator (`_sink_softmax`)."""
     block_size = key_cache.shape[1]
     out = torch.zeros(q_latent.shape, dtype=torch.float64)
     for b in range(q_latent.shape[0]):
-        slots = [(int(block_tables[b, t // block_size]), t % block_size) for t in range(int(seq_lens[b]))]
+        n = int(seq_lens[b])
+        start = max(0, n - sliding_window) if sliding_window else 0
+        slots = [(int(block_tables[b, t // block_size]), t % block_size) for t in range(start, n)]
         latent = torch.stack([_f64(key_cache[i, o, 0]) for i, o in slots])
         k_pe = torch.stack([_f64(value_cache[i, o, 0]) for i, o in slots])
         scores = (_f64(q_latent[b]) @ latent.t() + _f64(q_pe[b]) @ k_pe.t()) * softmax_scale
-        out[b] = torch.softmax(scores, dim=-1) @ latent
+        out[b] = _sink_softmax(scores, sinks) @ latent
     return (out,)
 
 
@@ -205,9 +221,10 @@ def lightning_indexer_oracle(q, weights, k_cache, block_tables, seq_lens, query_
 
 
 def sparse_mla_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                topk_indices, softmax_scale):
+                                topk_indices, softmax_scale, sinks=None):
     """-> (o_latent [T, N, L],): per query token, softmax(scale * (q_latent latent^T + q_pe k_pe^T)) latent
-    over the positions it lists (a position listed twice counts twice; -1 skipped), zeros when it lists none.
+    over the positions it lists (a position listed twice counts twice; -1 skipped), zeros when it lists none;
+    with `sinks` [N] each head's sink logit joins its denominator (`_sink_softmax`).
     An entry that is no cached position of its request (values only the unchecked device paths take) is
     skipped like -1."""
     out = torch.zeros(q_latent.shape, dtype=torch.float64)
@@ -218,7 +235,7 @@ def sparse_mla_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_ta
         latent = torch.stack([_cached_row(key_cache, block_tables, b, j) for j in listed])
         k_pe = torch.stack([_cached_row(value_cache, block_tables, b, j) for j in listed])
         scores = (_f64(q_latent[t]) @ latent.t() + _f64(q_pe[t]) @ k_pe.t()) * softmax_scale
-        out[t] = torch.softmax(scores, dim=-1) @ latent
+        out[t] = _sink_softmax(scores, sinks) @ latent
     return (out,)
 
 

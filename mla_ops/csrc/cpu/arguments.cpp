@@ -240,14 +240,32 @@ void check_size_wide(std::string_view op, std::string_view name, int64_t actual,
   TORCH_CHECK(actual == expected, prefix(op), name, " ", what, ": expected ", py_int(expected), ", got ", actual);
 }
 
+// An optional tensor argument as check_same_device takes it (nullptr: not given).
+const at::Tensor* optional(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
+
 }  // namespace
+
+// mla_ops/ops/_paged.py: check_sinks
+void check_sinks(std::string_view op, const std::optional<at::Tensor>& sinks, const at::Tensor& q,
+                 std::string_view q_name) {
+  if (!sinks.has_value()) return;
+  check_float(op, "sinks", *sinks);
+  check_rank(op, "sinks", *sinks, 1, "[heads] (one sink logit per head)");
+  check_size(op, "sinks", sinks->size(0), q.size(1), std::string("length must equal the heads of ") +
+                                                         std::string(q_name) + " (dim 1)");
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat || sinks->scalar_type() == q.scalar_type(), prefix(op),
+              "sinks must be float32 or ", q_name, "'s dtype ", py_dtype(q), ", got ", py_dtype(*sinks));
+}
 
 // mla_ops/ops/decode_attention.py: check_decode_attention_args
 void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, double softmax_scale) {
+                                 const at::Tensor& seq_lens, double softmax_scale,
+                                 const std::optional<at::Tensor>& sinks, int64_t sliding_window) {
   constexpr std::string_view op = "mla_decode_attention";
   check_softmax_scale(op, softmax_scale, " (e.g. qk_head_dim ** -0.5)");
+  TORCH_CHECK(sliding_window >= 0, prefix(op), "sliding_window must be >= 0 (0: every cached token; W >= 1: the last "
+              "W, the current one included), got ", sliding_window);
   check_latent_query_and_caches(op, "batch", q_latent, q_pe, key_cache, value_cache);
   check_index(op, "block_tables", block_tables);
   check_rank(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]");
@@ -255,12 +273,14 @@ void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q
   check_index(op, "seq_lens", seq_lens);
   check_rank(op, "seq_lens", seq_lens, 1, "[batch]");
   check_size(op, "seq_lens", seq_lens.size(0), q_latent.size(0), "length must equal the batch size");
+  check_sinks(op, sinks, q_latent, "q_latent");
   check_same_device(op, {{"q_latent", &q_latent},
                          {"q_pe", &q_pe},
                          {"key_cache", &key_cache},
                          {"value_cache", &value_cache},
                          {"block_tables", &block_tables},
-                         {"seq_lens", &seq_lens}});
+                         {"seq_lens", &seq_lens},
+                         {"sinks", optional(sinks)}});
 }
 
 // mla_ops/ops/kv_prolog.py: check_latent_kv_prolog_args
@@ -370,7 +390,8 @@ void check_lightning_indexer_args(const at::Tensor& q, const at::Tensor& weights
 void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                     const at::Tensor& topk_indices, double softmax_scale) {
+                                     const at::Tensor& topk_indices, double softmax_scale,
+                                     const std::optional<at::Tensor>& sinks) {
   constexpr std::string_view op = "sparse_mla_attention";
   check_softmax_scale(op, softmax_scale);
   check_latent_query_and_caches(op, "tokens", q_latent, q_pe, key_cache, value_cache);
@@ -378,6 +399,7 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
   check_index(op, "topk_indices", topk_indices);
   check_rank(op, "topk_indices", topk_indices, 2, "[tokens, topk] (request-local positions, -1 = none)");
   check_size(op, "topk_indices", topk_indices.size(0), q_latent.size(0), "tokens (dim 0) must equal q_latent's");
+  check_sinks(op, sinks, q_latent, "q_latent");
   check_same_device(op, {{"q_latent", &q_latent},
                          {"q_pe", &q_pe},
                          {"key_cache", &key_cache},
@@ -385,7 +407,8 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                          {"block_tables", &block_tables},
                          {"seq_lens", &seq_lens},
                          {"query_start_loc", &query_start_loc},
-                         {"topk_indices", &topk_indices}});
+                         {"topk_indices", &topk_indices},
+                         {"sinks", optional(sinks)}});
 }
 
 // mla_ops/ops/mla_prefill_attention.py: check_mla_prefill_attention_args
@@ -422,13 +445,7 @@ void check_shared_kv_attention_args(const at::Tensor& q, const at::Tensor& kv_ca
   check_rank(op, "q", q, 3, "[tokens, heads, head_dim] (normed, rotated queries)");
   check_shared_pool(op, "kv_cache", kv_cache, q, "the window rows, one per token");
   check_requests(op, block_tables, seq_lens, query_start_loc);
-  if (sinks.has_value()) {
-    check_float(op, "sinks", *sinks);
-    check_rank(op, "sinks", *sinks, 1, "[heads] (one sink logit per head)");
-    check_size(op, "sinks", sinks->size(0), q.size(1), "length must equal the heads of q (dim 1)");
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat || sinks->scalar_type() == q.scalar_type(), prefix(op),
-                "sinks must be float32 or q's dtype ", py_dtype(q), ", got ", py_dtype(*sinks));
-  }
+  check_sinks(op, sinks, q, "q");
   if (!compressed_cache.has_value()) {
     TORCH_CHECK(!compressed_block_tables.has_value(), prefix(op),
                 "compressed_block_tables was given without compressed_cache; pass both (the compressor's entry pool "
@@ -453,7 +470,6 @@ void check_shared_kv_attention_args(const at::Tensor& q, const at::Tensor& kv_ca
       check_size(op, "topk_indices", topk_indices->size(0), q.size(0), "tokens (dim 0) must equal q's");
     }
   }
-  const auto optional = [](const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; };
   check_same_device(op, {{"q", &q},
                          {"kv_cache", &kv_cache},
                          {"block_tables", &block_tables},

@@ -94,11 +94,17 @@ using Counts = c10::SmallVector<int64_t, 8>;
 
 // ------------------------------------------------------------------------------ index values
 
+// The first position each row attends to: 0, or with a sliding window W >= 1 the first of its last W.
+inline int64_t window_start(int64_t len, int64_t sliding_window) {
+  return sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+}
+
 // The lengths the kernel attends to, per row: the first invalid value raises the ValueError text of
 // the Python check `check_decode_values` (every length in order first, then the first bad block id a
-// row uses, row-major). All products and sums are overflow-checked: lengths and ids may be any int64.
+// row reads, row-major: from the window's first block with a sliding window). All products and sums are
+// overflow-checked: lengths and ids may be any int64.
 Counts attended_lengths(const IndexView& lens, const IndexView& table, int64_t B, int64_t maxb, int64_t NB,
-                        int64_t bs) {
+                        int64_t bs, int64_t sliding_window) {
   int64_t capacity = 0;
   if (__builtin_mul_overflow(maxb, bs, &capacity)) capacity = std::numeric_limits<int64_t>::max();
   Counts out(B);
@@ -112,7 +118,7 @@ Counts attended_lengths(const IndexView& lens, const IndexView& table, int64_t B
   }
   for (int64_t b = 0; b < B; ++b) {
     const int64_t used = (out[b] - 1) / bs + 1;  // 1 <= n <= maxb * bs, so bs >= 1 and used <= maxb
-    for (int64_t j = 0; j < used; ++j) {
+    for (int64_t j = window_start(out[b], sliding_window) / bs; j < used; ++j) {
       const int64_t id = table[b * maxb + j];
       TORCH_CHECK_VALUE(id >= 0 && id < NB, kOpPrefix, "block_tables[", b, ", ", j, "] = ", id,
                         " is used by sequence ", b, " but is not a block id in [0, ", NB, ")");
@@ -1005,9 +1011,11 @@ struct Slot {
 struct DecodePositions {
   IndexView table;
   int64_t maxb, bs;
+  const int64_t* first = nullptr;  // each row's first attended position (a sliding window), or none: 0
   Slot slot(int64_t row, int64_t entry, int64_t max_run) const {
-    const int64_t off = entry % bs;  // entry < len <= maxb * bs: the column is < maxb
-    return {table[row * maxb + entry / bs], off, std::min(bs - off, max_run)};
+    const int64_t position = first != nullptr ? first[row] + entry : entry;
+    const int64_t off = position % bs;  // position < len <= maxb * bs: the column is < maxb
+    return {table[row * maxb + position / bs], off, std::min(bs - off, max_run)};
   }
 };
 
@@ -1085,6 +1093,21 @@ struct Pools {
 struct AttentionExtras {
   const float* sinks = nullptr;
   bool split_probs = false;
+};
+
+// An op's optional sinks [N] as the fp32 logits AttentionExtras points at (kept alive with the call).
+class SinkLogits {
+ public:
+  explicit SinkLogits(const std::optional<at::Tensor>& sinks)
+      : fp32_(sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor()) {}
+  AttentionExtras extras() const {
+    AttentionExtras extras;
+    extras.sinks = fp32_.defined() ? fp32_.const_data_ptr<float>() : nullptr;
+    return extras;
+  }
+
+ private:
+  at::Tensor fp32_;
 };
 
 // Rounds fp32 values to the nearest bf16 (ties to even), kept in fp32.
@@ -1687,21 +1710,34 @@ std::string attention_engine(const at::Tensor& q_latent, const at::Tensor& key_c
 
 at::Tensor mla_decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, double softmax_scale) {
+                                const at::Tensor& seq_lens, double softmax_scale,
+                                const std::optional<at::Tensor>& sinks, int64_t sliding_window) {
   const int64_t B = q_latent.size(0);
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens_t = seq_lens.contiguous();
   const Counts lens =
-      attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs);
+      attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs, sliding_window);
   const Pools pools{{{&key_cache, &value_cache}}, 1};
-  return attend(q_latent, &q_pe, pools, DecodePositions{IndexView(tables), tables.size(1), bs}, lens, softmax_scale);
+  const SinkLogits sink_logits(sinks);
+  if (sliding_window == 0) {
+    return attend(q_latent, &q_pe, pools, DecodePositions{IndexView(tables), tables.size(1), bs}, lens,
+                  softmax_scale, sink_logits.extras());
+  }
+  Counts first(B), entries(B);
+  for (int64_t b = 0; b < B; ++b) {
+    first[b] = window_start(lens[b], sliding_window);
+    entries[b] = lens[b] - first[b];
+  }
+  return attend(q_latent, &q_pe, pools, DecodePositions{IndexView(tables), tables.size(1), bs, first.data()}, entries,
+                softmax_scale, sink_logits.extras());
 }
 
 at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                const at::Tensor& topk_indices, double softmax_scale) {
+                                const at::Tensor& topk_indices, double softmax_scale,
+                                const std::optional<at::Tensor>& sinks) {
   const int64_t T = q_latent.size(0), NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous(), indices_t = topk_indices.contiguous();
   const SparseRequests requests =
@@ -1711,7 +1747,8 @@ at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_
   const Counts request = check_index_values(indices, T, width, requests);
   const SparsePositions positions{IndexView(tables), indices, tables.size(1), bs, width, request.data()};
   const Pools pools{{{&key_cache, &value_cache}}, 1};
-  return attend(q_latent, &q_pe, pools, positions, Counts(T, width), softmax_scale);
+  const SinkLogits sink_logits(sinks);
+  return attend(q_latent, &q_pe, pools, positions, Counts(T, width), softmax_scale, sink_logits.extras());
 }
 
 at::Tensor mla_prefill_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
@@ -1760,9 +1797,8 @@ at::Tensor shared_kv_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
                                     compressed ? compressed_cache->size(1) : 1, width, tokens.data()};
   Pools pools{{{&kv_cache, nullptr}}, 1};
   if (compressed) pools = Pools{{{&kv_cache, nullptr}, {&*compressed_cache, nullptr}}, 2};
-  const at::Tensor sinks32 = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
-  AttentionExtras extras;
-  extras.sinks = sinks.has_value() ? sinks32.const_data_ptr<float>() : nullptr;
+  const SinkLogits sink_logits(sinks);
+  AttentionExtras extras = sink_logits.extras();
   extras.split_probs = true;  // fp32 weights: the op rounds once
   return attend(q, nullptr, pools, positions, entries, softmax_scale, extras);
 }
