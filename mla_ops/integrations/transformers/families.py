@@ -19,15 +19,21 @@ each marked by one name the forward uses:
   rope_interleave=True) -> "half";
 * `apply_rotary_pos_emb`: rotate_half pairs (x[i], x[i+D/2]) -> "neox";
 * both of the last two and `rope_interleave`: the config chooses, per model;
+* a function's layout is what it computes, not its name: each is run on a small random input and matched
+  against the layouts of mla.rope, its name's first (`rope_function_layout`: HY-V4-VL's
+  `apply_rotary_pos_emb` rotates interleaved pairs in place, "interleaved" on (cos, sin) tables);
 * no RoPE function: NoPE (Kimi-Linear), the rope dims pass through (identity tables);
 * `mla_scale_q_lora` / `mla_scale_kv_lora`: LongCat's scales on q and the latent, applied where stock does;
 * `q_lora_scale` / `kv_lora_scale`: dots3_note's scales on the normed q-LoRA latent (the indexer's input too)
   and the normed KV latent;
 * `k_rope_only_layernorm`: dots3_note's RMSNorm on k_pe before RoPE: the KV path is then kv_a_proj_with_mqa,
   mla.rms_norm on the latent and on k_pe, mla.rope on k_pe (mla.latent_kv_prolog has no norm on k_pe);
+* `sinks`: a learned per-head attention sink (HY-V4): the stock attention function takes it from the module in
+  the dense mode and a paged prefill; a paged decode passes it to mla.mla_decode_attention /
+  mla.sparse_mla_attention (`sinks=`);
 * `sliding_window`: sliding-window layers (dots3_note): the model's own windowed mask in the dense mode and a
   fresh paged prefill; a paged decode attends to the last `sliding_window` cached tokens through
-  mla.sparse_mla_attention, a paged prefill on a cached prefix windows its own mask;
+  mla.mla_decode_attention's `sliding_window`, a paged prefill on a cached prefix windows its own mask;
 * an output gate (`OutputGate`), a per-head sigmoid gate on the attention output before o_proj, marked by
   its projection: `g_proj` (Bailing, dots3_note: a projection of the layer input, one gate per head),
   `gate_proj` (HY-V4: one per head and value channel) or `q_gate_proj` (AXK2: the trailing v_head_dim of
@@ -48,10 +54,14 @@ each marked by one name the forward uses:
   `prev_topk_indices` parameter, layers of `config.indexer_types` "shared" reuse the previous layer's
   top-k (`MlaFamily.shared_topk`). Mistral-Large-4's indexer, which has no q-LoRA latent to read, takes its
   query from the layer input: wq_b(q_input_norm(x)), scaled by its own log-position scale, rotated only in RoPE
-  layers (`MlaFamily.indexer_input_query`).
+  layers (`MlaFamily.indexer_input_query`);
+* `build_attention_mask_from_topk`: the attention mask is the top-k alone (GLM-5-Next: the model hands the layer
+  a [B, S] padding mask and the indexer's top-k holds causality and padding), built by the layer's own method;
+  its `next_skip_topk` says whether the top-k is handed on (`MlaFamily.topk_mask`).
 
 An indexer is served when its class's forward is DeepSeek-V3.2's: q = wq_b(q_resid), k = k_norm(wk(x)),
-the RoPE function it names on their first qk_rope_head_dim dims, the key through
+the RoPE function it names on their first qk_rope_head_dim dims (or their last: HY-V4, read off the order of
+its split, `MlaFamily.indexer_rope_trailing`), the key through
 `cache.update_indexer`, scores sum_h w_h * relu(softmax_scale * q_h.k) with w = weights_proj(x) *
 n_heads**-0.5, masked by the attention mask, top-k: what `mla.lightning_indexer` computes. One that uses
 any other name (pooled keys, a query norm, shared KV, ...) is refused with those names.
@@ -96,6 +106,8 @@ ROPE_FUNCTIONS = {  # the stock function -> the layout mla.rope / mla.kv_prolog 
     "apply_rotary_pos_emb_interleave": "half",
     "apply_rotary_pos_emb": "neox",
 }
+# The RoPE functions taking DeepSeek-V2's complex freqs_cis [B, S, R/2] (the others take (cos, sin) [B, S, R]).
+COMPLEX_ROPE_FUNCTIONS = frozenset({"apply_rotary_emb"})
 FEATURES = {  # feature -> (the name that marks it, every name its code uses)
     "config_rope_interleave": ("rope_interleave", {"rope_interleave"}),
     "lora_scales": ("mla_scale_q_lora", {"mla_scale_q_lora", "mla_scale_kv_lora"}),
@@ -105,6 +117,8 @@ FEATURES = {  # feature -> (the name that marks it, every name its code uses)
     "latent_scales": ("q_lora_scale", {"q_lora_scale", "kv_lora_scale"}),
     "key_rope_norm": ("k_rope_only_layernorm", {"k_rope_only_layernorm"}),
     "sliding_window": ("sliding_window", {"sliding_window"}),
+    "attention_sinks": ("sinks", {"sinks"}),
+    "topk_mask": ("build_attention_mask_from_topk", {"build_attention_mask_from_topk", "next_skip_topk"}),
     "layer_rope": ("use_rope", {"use_rope"}),
     "shared_latent_kv": ("is_kv_shared_layer", {"is_kv_shared_layer", "store_full_length_kv"}),
     # DeepSeek-V2 of 4.54 - 5.x pads V to the qk head dim for flash-attention kernels itself
@@ -131,15 +145,18 @@ OUTPUT_GATE_NAMES = frozenset({"sigmoid", "float", "dtype", "unsqueeze", "to"})
 GATE_ROUNDINGS = ("activation", "gate_float32", "product_float32")
 # What some names beyond the vocabulary stand for, so a refusal says what is not computed (transformers 5.24).
 UNREPRODUCED = {
-    "sinks": "per-head attention sinks, a learned logit in every softmax denominator, which mla.mla_decode_attention "
-             "and mla.sparse_mla_attention take no input for",
     "is_kv_shared_layer": "a latent KV cache shared across layers",
     "softmax_scaling": "a per-head log-position query scale",
     "use_rope": "RoPE in some layers only",
-    "get_pooled_states": "indexer keys pooled over blocks of tokens, not every cached key mla.lightning_indexer scores",
-    "build_attention_mask_from_topk": "an attention mask built from the top-k of earlier layers",
     "q_input_norm": "an indexer query from the normed layer input",
 }
+# What a pooled ("KeyPool") indexer adds (GLM-5-Next: keys pooled over index_kpool tokens by a learned gate, the best
+# pools expanded back into their tokens, the open pool's tokens appended): its own forward serves the dense mode.
+POOLED_INDEXER_NAMES = frozenset({
+    "append_visible_tail", "arange", "clamp", "device", "expand", "expand_as", "finfo", "flatten", "gather",
+    "get_pooled_states", "get_seq_length", "get_visible_tokens", "index_kpool", "index_kpool_always_select_tail",
+    "index_kpool_compress_gate", "keys", "layers", "linear", "pad",
+})
 # What an indexer taking its query from the layer input adds (Mistral-Large-4: no q-LoRA latent to read).
 INDEXER_INPUT_QUERY_NAMES = frozenset({"q_input_norm", "softmax_scaling", "use_rope"})
 MLA_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
@@ -172,16 +189,20 @@ class MlaFamily:
     """What the patch needs to know about one transformers MLA attention class.
 
     `rope`: "interleaved" | "half" | "neox" (fixed by the forward), "config" (`config.rope_interleave`
-    chooses "half" or "neox"), or "none" (NoPE). `rope_rounding`: (layout, compute_dtype) for each
-    RoPE function the forward calls: the mla `rope_compute_dtype` that reproduces its rounding bit for
-    bit in bf16 and fp16 ("float32" | "activation"), None where neither does. `parameters`: the stock
-    forward's parameter names after `self`, in order (positional calls are mapped onto them).
-    `output_gate`: the family's sigmoid output gate (None: none). `indexer`: the sparse-attention indexer's RoPE
-    function (the name in the modeling module; None:
-    dense attention). `shared_topk`: the forward takes `prev_topk_indices` and returns its top-k third
-    (GLM-5's cross-layer sharing). `refused`: why it cannot be patched (None when it can). `shared_kv`:
-    DeepSeek-V4's shared-KV attention (one K=V row per token, compressors, sinks; served by `shared_kv`,
-    whose `describe_shared_kv` reads such a class)."""
+    chooses "half" or "neox"), or "none" (NoPE). `rope_functions`: (name, layout) of each RoPE function the
+    forward calls, the layout read by running it (`rope_function_layout`). `rope_rounding`: (layout,
+    compute_dtype) for each of them: the mla `rope_compute_dtype` that reproduces its rounding bit for bit in
+    bf16 and fp16 ("float32" | "activation"), None where neither does. `parameters`: the stock forward's
+    parameter names after `self`, in order (positional calls are mapped onto them). `output_gate`: the
+    family's sigmoid output gate (None: none). `attention_sinks`: a learned per-head sink logit (`sinks`) in
+    every softmax denominator. `indexer`: the sparse-attention indexer's RoPE function (the name in the
+    modeling module; None: dense attention); `indexer_rope_trailing`: it rotates the trailing
+    qk_rope_head_dim dims of the indexer's q and k (HY-V4), not the leading ones; `indexer_pooled`: it scores keys
+    pooled over blocks of tokens (GLM-5-Next's KeyPool; its RoPE function, if any, in `indexer`), served by its own
+    forward in the dense mode only. `topk_mask`: the attention mask is the top-k alone. `shared_topk`: the forward
+    takes `prev_topk_indices` and returns its top-k third (GLM-5's cross-layer sharing). `refused`: why it
+    cannot be patched (None when it can). `shared_kv`: DeepSeek-V4's shared-KV attention (one K=V row per
+    token, compressors, sinks; served by `shared_kv`, whose `describe_shared_kv` reads such a class)."""
 
     attention: type
     model_type: str
@@ -189,6 +210,7 @@ class MlaFamily:
     parameters: tuple[str, ...]
     rope_rounding: tuple[tuple[str, Optional[str]], ...] = ()
     lora_scales: bool = False
+    rope_functions: tuple[tuple[str, str], ...] = ()
     output_gate: Optional[OutputGate] = None
     query_position_scale: bool = False
     latent_stock_cache: bool = False
@@ -199,7 +221,11 @@ class MlaFamily:
     latent_scales: bool = False
     key_rope_norm: bool = False
     sliding_window: bool = False
+    attention_sinks: bool = False
+    topk_mask: bool = False
     indexer: Optional[str] = None
+    indexer_rope_trailing: bool = False
+    indexer_pooled: bool = False
     indexer_input_query: bool = False
     shared_topk: bool = False
     refused: Optional[str] = None
@@ -215,11 +241,15 @@ class MlaFamily:
     @property
     def sparse(self) -> bool:
         """DeepSeek Sparse Attention: each query attends to the top-k keys its layer's indexer picks."""
-        return self.indexer is not None
+        return self.indexer is not None or self.indexer_pooled
 
     def indexer_layout(self) -> Optional[str]:
-        """The rope layout of the indexer's RoPE function (None: dense attention)."""
-        return None if self.indexer is None else ROPE_FUNCTIONS[self.indexer]
+        """The rope layout the indexer's RoPE function computes (None: dense attention)."""
+        return None if self.indexer is None else rope_function_layout(self.modeling, self.indexer)
+
+    def stock_rope_function(self, layout: str) -> str:
+        """The name of the family's RoPE function computing `layout`."""
+        return next(name for name, function_layout in self.rope_functions if function_layout == layout)
 
     @property
     def name(self) -> str:
@@ -288,6 +318,7 @@ def describe(cls: type) -> MlaFamily:
     parameters = tuple(p.name for p in list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
                        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
     rope_functions = sorted(names & ROPE_FUNCTIONS.keys())
+    layouts = {name: rope_function_layout(sys.modules[module], name) for name in rope_functions}
     features = {feature: marker in names for feature, (marker, _) in FEATURES.items()}
     known = set(BASE_FORWARD_NAMES) | set(ROPE_FUNCTIONS)
     for feature, (_, used) in FEATURES.items():
@@ -312,27 +343,33 @@ def describe(cls: type) -> MlaFamily:
     if unknown:
         used = f"its forward uses {explain_names(unknown)}, which the patch does not reproduce"
         refused = f"{refused}; {used}" if refused else used
-    indexer_input_query = False
+    indexer_input_query = indexer_rope_trailing = indexer_pooled = False
     if sparse:
-        indexer, indexer_refusal, indexer_input_query = describe_indexer(cls)
+        indexer, indexer_refusal, indexer_input_query, indexer_rope_trailing, indexer_pooled = describe_indexer(cls)
         reasons = [r for r in (refused, indexer_refusal) if r]
         refused = f"sparse attention: {'; '.join(reasons)}" if reasons else None
         indexer = None if refused else indexer  # (`sparse`: served through the indexer op)
+        indexer_pooled = indexer_pooled and not refused
+    unread = [name for name, layout in layouts.items() if layout is None]
+    if unread and refused is None:
+        refused = (f"its {', '.join(unread)} computes none of the rotations mla.rope reproduces "
+                   f"({', '.join(sorted(set(ROPE_FUNCTIONS.values())))})")
     if features["config_rope_interleave"] and set(rope_functions) == {"apply_rotary_pos_emb",
                                                                        "apply_rotary_pos_emb_interleave"}:
         rope = "config"
     elif len(rope_functions) == 1:
-        rope = ROPE_FUNCTIONS[rope_functions[0]]
+        rope = layouts[rope_functions[0]] or ROPE_FUNCTIONS[rope_functions[0]]
     elif not rope_functions:
         rope = "none"
     else:
         rope, refused = "config", refused or f"its forward chooses between {rope_functions} by a rule the patch " \
                                              f"does not know"
-    if refused is None:
-        refused = rope_function_refusal(sys.modules[module], rope_functions + ([indexer] if indexer else []))
-    rounding = () if refused else tuple((ROPE_FUNCTIONS[name], stock_rope_rounding(sys.modules[module], name))
+    if refused is None and indexer and rope_function_layout(sys.modules[module], indexer) is None:
+        refused = f"sparse attention: its indexer's {indexer} computes none of the rotations mla.rope reproduces"
+    rounding = () if refused else tuple((layouts[name], stock_rope_rounding(sys.modules[module], name))
                                         for name in rope_functions)
     return MlaFamily(attention=cls, model_type=model_type, rope=rope, parameters=parameters, rope_rounding=rounding,
+                     rope_functions=() if refused else tuple(layouts.items()),
                      lora_scales=features["lora_scales"], output_gate=output_gate,
                      query_position_scale=features["query_position_scale"],
                      latent_stock_cache=features["latent_stock_cache"],
@@ -340,7 +377,8 @@ def describe(cls: type) -> MlaFamily:
                      query_log_position_scale=features["query_log_position_scale"], layer_rope=features["layer_rope"],
                      shared_latent_kv=features["shared_latent_kv"], latent_scales=features["latent_scales"],
                      key_rope_norm=features["key_rope_norm"], sliding_window=features["sliding_window"],
-                     indexer=indexer,
+                     attention_sinks=features["attention_sinks"], topk_mask=features["topk_mask"], indexer=indexer,
+                     indexer_rope_trailing=indexer_rope_trailing, indexer_pooled=indexer_pooled,
                      indexer_input_query=indexer_input_query, shared_topk=shared_topk, refused=refused)
 
 
@@ -385,27 +423,47 @@ def indexer_classes(cls: type) -> list:
             and "update_indexer" in _forward_names(c)]
 
 
-def describe_indexer(cls: type) -> tuple[Optional[str], Optional[str], bool]:
-    """(the indexer's RoPE function name, None, whether its query comes from the layer input) for a
-    DeepSeek-V3.2 indexer the patch reproduces, else (None, why not, False): read off the indexer class's
+def describe_indexer(cls: type) -> tuple[Optional[str], Optional[str], bool, bool, bool]:
+    """(the indexer's RoPE function name, None, whether its query comes from the layer input, whether it rotates
+    the trailing qk_rope_head_dim dims of q and k, whether it pools its keys) for a DeepSeek-V3.2 indexer the
+    patch reproduces (or a pooled one, GLM-5-Next's: served by its own forward in the dense mode, its RoPE
+    function None where it has none), else (None, why not, False, False, False): read off the indexer class's
     forward, as the attention's is."""
     classes = indexer_classes(cls)
     if len(classes) != 1:
         return None, (f"its indexer is not one module class writing cache.update_indexer "
-                      f"(found {[c.__name__ for c in classes]})"), False
+                      f"(found {[c.__name__ for c in classes]})"), False, False, False
     indexer_cls = classes[0]
     names = _forward_names(indexer_cls)
     rope = sorted(names & ROPE_FUNCTIONS.keys())
     input_query = "q_input_norm" in names
-    unknown = sorted(names - INDEXER_NAMES - set(rope) - (INDEXER_INPUT_QUERY_NAMES if input_query else set()))
+    pooled = "get_pooled_states" in names
+    unknown = sorted(names - INDEXER_NAMES - set(rope) - (INDEXER_INPUT_QUERY_NAMES if input_query else set())
+                     - (POOLED_INDEXER_NAMES if pooled else set()))
     if unknown:
         return None, (f"its indexer ({indexer_cls.__name__}) uses {explain_names(unknown)}, beyond "
                       f"DeepSeek-V3.2's score sum_h w_h * relu(scale * q_h.k) over every cached key that "
-                      f"mla.lightning_indexer computes"), False
-    if len(rope) != 1 or ROPE_FUNCTIONS[rope[0]] == "interleaved":
+                      f"mla.lightning_indexer computes"), False, False, False
+    if pooled and not rope:  # (NoPE: GLM-5-Next's attention and indexer rotate nothing)
+        return None, None, input_query, False, True
+    if len(rope) != 1 or rope[0] in COMPLEX_ROPE_FUNCTIONS:
         return None, (f"its indexer ({indexer_cls.__name__}) rotates with {rope or 'no RoPE'}, "
-                      f"not one (cos, sin) RoPE function"), False
-    return rope[0], None, input_query
+                      f"not one (cos, sin) RoPE function"), False, False, False
+    return rope[0], None, input_query, rotates_trailing_dims(indexer_cls), pooled
+
+
+def rotates_trailing_dims(indexer_cls: type) -> bool:
+    """Whether the indexer's forward splits q and k as [head_dim - qk_rope_head_dim, qk_rope_head_dim] (the rotated
+    part last: HY-V4) rather than [qk_rope_head_dim, ...] (first: DeepSeek-V3.2), read off its bytecode: the first
+    attribute its first `split` size list loads. `indexer_refusal` then checks the whole forward on an input."""
+    import dis
+
+    instructions = list(dis.get_instructions(inspect.unwrap(indexer_cls.forward)))
+    for i, instruction in enumerate(instructions):
+        if instruction.argval == "split":
+            sizes = [x.argval for x in instructions[i + 1:] if x.opname == "LOAD_ATTR"]
+            return bool(sizes) and sizes[0] == "head_dim"
+    return False
 
 
 def _rope_probe(dtype: torch.dtype):
@@ -418,29 +476,32 @@ def _rope_probe(dtype: torch.dtype):
     return x, angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _stock_rotation(function, layout: str):
-    """`function` (a transformers RoPE function of `layout`) as rotate(x, cos, sin) on per-pair tables."""
-    if layout == "interleaved":  # DeepSeek-V2's apply_rotary_emb takes complex freqs_cis [B, S, R/2]
+def _stock_rotation(function, name: str):
+    """`function` (the transformers RoPE function called `name`) as rotate(x, cos, sin) on per-pair tables."""
+    if name in COMPLEX_ROPE_FUNCTIONS:  # DeepSeek-V2's apply_rotary_emb takes complex freqs_cis [B, S, R/2]
         return lambda x, cos, sin: function(x, x[:, :1], torch.complex(cos.float(), sin.float()))[0]
     return lambda x, cos, sin: function(x, x[:, :1], torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))[0]
 
 
-def rope_function_refusal(modeling, names) -> Optional[str]:
-    """Run each RoPE function the forward names on a small random input and check it rotates the way
-    its layout says (a family could reuse a name for another rotation); None when all do."""
+@functools.lru_cache(maxsize=None)
+def rope_function_layout(modeling, name: str) -> Optional[str]:
+    """The mla.rope layout the RoPE function `name` of `modeling` computes, found by running it in fp32 on a small
+    random input (its name's layout tried first: a family may reuse a name for another rotation, HY-V4-VL's
+    `apply_rotary_pos_emb` rotates interleaved pairs); None when it computes none of them or is not defined."""
+    function = getattr(modeling, name, None)
+    if function is None:
+        return None
     x, cos, sin = _rope_probe(torch.float32)
-    for name in names:
-        function, layout = getattr(modeling, name, None), ROPE_FUNCTIONS[name]
-        if function is None:
-            return f"its forward calls {name}, which its module does not define"
-        with torch.no_grad():
-            try:
-                got = _stock_rotation(function, layout)(x, cos, sin)
-            except Exception as exc:  # another signature: not the function the layout stands for
-                return f"its {name} does not take the arguments of the {layout} RoPE ({type(exc).__name__})"
-            expected = rope_math(x, cos, sin, layout)  # the op's formula, called without dispatch
-        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=0, atol=1e-5):
-            return f"its {name} does not compute the {layout} rotation the patch reproduces"
+    with torch.no_grad():
+        try:
+            got = _stock_rotation(function, name)(x, cos, sin)
+        except Exception:  # another signature: no rotation the patch can call it for
+            return None
+    named = ROPE_FUNCTIONS[name]
+    for layout in (named, *sorted(set(ROPE_FUNCTIONS.values()) - {named})):
+        expected = rope_math(x, cos, sin, layout)  # the op's formula, called without dispatch
+        if got.shape == expected.shape and torch.allclose(got, expected, rtol=0, atol=1e-5):
+            return layout
     return None
 
 
@@ -467,8 +528,8 @@ def matching_rope_compute_dtype(rotate, layout: str) -> Optional[str]:
 
 def stock_rope_rounding(modeling, name: str) -> Optional[str]:
     """Where the family's RoPE function `name` rounds: the rope_compute_dtype reproducing it (or None)."""
-    layout = ROPE_FUNCTIONS[name]
-    return matching_rope_compute_dtype(_stock_rotation(getattr(modeling, name), layout), layout)
+    layout = rope_function_layout(modeling, name)
+    return matching_rope_compute_dtype(_stock_rotation(getattr(modeling, name), name), layout)
 
 
 def is_mla_attention(module: torch.nn.Module) -> bool:

@@ -44,10 +44,10 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
         latent, k_pe = shared_latent(self, patch, hidden_states, rot, inputs)
         k_nope, value_states = expand_latent(self, latent[:, 0])
         key_states, cache = dense_key(k_nope, k_pe), None
-    elif opts.kv_prolog and patch.family.fused_kv_prolog:
+    elif opts.kv_prolog and patch.family.fused_kv_prolog and self.qk_rope_head_dim > 0:
         k_nope, value_states, k_pe = kv_prolog_call(self, hidden_states, rot)
         key_states = dense_key(k_nope, k_pe)
-    elif opts.kv_prolog:  # a latent step kv_prolog lacks (a scale, a norm on k_pe): the latent prolog, then kv_b
+    elif opts.kv_prolog:  # a latent step kv_prolog lacks (a scale, a norm on k_pe, no rotary dims): latent prolog, kv_b
         latent, k_pe = latent_prolog(self, patch, hidden_states, rot)
         k_nope, value_states = expand_latent(self, latent)
         key_states = dense_key(k_nope, k_pe[:, None])
@@ -60,10 +60,13 @@ def mla_attention_forward(self, hidden_states, *args, **kwargs):
     query_states = scale_query(self, patch, torch.cat((q_nope, q_pe), dim=-1), inputs.position_ids)
     attention_mask, extra, topk = inputs.attention_mask, inputs.extra, None
     if indexer.selects(self, patch):  # the indexer's top-k (the stock indexer's), folded into the mask
-        attention_mask, indices, topk = indexer.dense_selection(self, patch, hidden_states, q_lora, inputs)
+        attention_mask, indices, topk = indexer.dense_selection(self, patch, hidden_states, q_lora, inputs,
+                                                                query_states, key_states.shape[2])
         extra = {**extra, **indices}
     attn_output, attn_weights = attend(self, patch, query_states, key_states, value_states, attention_mask, extra)
-    return sparse_result(patch, project_output(self, patch, attn_output, hidden_states, gate), attn_weights, topk)
+    # (GLM-5-Next hands its top-k on only where the next layer reuses it: its `next_skip_topk`)
+    return sparse_result(patch, project_output(self, patch, attn_output, hidden_states, gate), attn_weights,
+                         topk if getattr(self, "next_skip_topk", True) else None)
 
 
 def _stock_kv_with_mla_rope(attn, patch, hidden_states, rot, inputs):

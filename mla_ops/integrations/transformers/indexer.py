@@ -6,10 +6,10 @@ folds the top-k into the attention mask as the stock forward folds it (`restrict
 
 Paged mode: the indexer's own projections (wq_b, wk, k_norm, weights_proj) and its RoPE run as the
 stock indexer computes them, with its modules and the RoPE function its forward names (DeepSeek-V3.2:
-NeoX half-split, GLM-5: interleaved pairs). Scoring and selection, sum_h w_h * relu(scale * q_h.k)
-over the keys a query may see and the best `index_topk` of them, are one `mla.lightning_indexer` call
-over the paged indexer-key pool; a prefill folds the chosen keys into its mask, the decode hands them
-to `mla.sparse_mla_attention`.
+NeoX half-split, GLM-5: interleaved pairs; HY-V4 rotates the trailing dims and norms the key in fp32).
+Scoring and selection, sum_h w_h * relu(scale * q_h.k) over the keys a query may see and the best
+`index_topk` of them, are one `mla.lightning_indexer` call over the paged indexer-key pool; a prefill
+folds the chosen keys into its mask, the decode hands them to `mla.sparse_mla_attention`.
 
 Requests. The op reads a request's keys through a block table and lets query i of a request with
 q_len queries and seq_len keys see positions 0..seq_len-q_len+i (right-down causal), so each batch
@@ -25,10 +25,14 @@ picks stock's.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .attention_parts import CACHE_KEYWORDS
 
 # The attention implementations the stock forward folds the top-k into the mask for; any other gets it
 # as `indices=` (a sparse kernel such as flash-mla), as stock hands it.
@@ -37,10 +41,14 @@ MASKED_IMPLEMENTATIONS = ("eager", "sdpa")
 
 def indexer_query_key(indexer, family, hidden_states, q_resid, position_embeddings, position_ids=None):
     """The stock indexer's inputs to its scores: (q [B, S, H, D] and k [B, S, D], both rotated, in the
-    model's dtype; weights [B, S, H] fp32 with n_heads**-0.5 folded in). `indexer`: the layer's indexer
-    module; `q_resid` [B, S, q_lora_rank]: q_a_layernorm(q_a_proj(x)), as the attention computed it, or None
-    for an indexer taking its query from the layer input (`MlaFamily.indexer_input_query`: wq_b(q_input_norm(x))
-    scaled by its log-position scale at `position_ids`, rotated only where the indexer's `use_rope` says)."""
+    model's dtype; weights [B, S, H] fp32 with n_heads**-0.5 folded in). The key is normed in the norm's own
+    dtype (HY-V4's LayerNorm is fp32) and the RoPE dims are the leading or trailing qk_rope_head_dim
+    (`MlaFamily.indexer_rope_trailing`); a forward folding softmax_scale into the weights and scoring
+    relu(q.k) (HY-V4) scores the same: relu(s x) = s relu(x) for s > 0, equal up to fp32 rounding.
+    `indexer`: the layer's indexer module; `q_resid` [B, S, q_lora_rank]: q_a_layernorm(q_a_proj(x)), as the
+    attention computed it, or None for an indexer taking its query from the layer input
+    (`MlaFamily.indexer_input_query`: wq_b(q_input_norm(x)) scaled by its log-position scale at `position_ids`,
+    rotated only where the indexer's `use_rope` says)."""
     batch, seq = hidden_states.shape[:-1]
     cos, sin = position_embeddings
     if family.indexer_input_query:
@@ -48,15 +56,20 @@ def indexer_query_key(indexer, family, hidden_states, q_resid, position_embeddin
         q = indexer.softmax_scaling(q, position_ids, head_dim_first=False)
     else:
         q = indexer.wq_b(q_resid).view(batch, seq, indexer.n_heads, indexer.head_dim)
-    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)  # [B, S, 1, D]
+    k = indexer.wk(hidden_states)
+    norm_weight = getattr(indexer.k_norm, "weight", None)
+    if isinstance(norm_weight, torch.Tensor):  # in the norm's own dtype (HY-V4's fp32 LayerNorm), then back
+        k = k.to(norm_weight.dtype)
+    k = indexer.k_norm(k).to(hidden_states.dtype).unsqueeze(2)  # [B, S, 1, D]
     if getattr(indexer, "use_rope", True):
         rotate = getattr(family.modeling, family.indexer)
-        split = [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim]
-        q_rot, q_pass = torch.split(q, split, dim=-1)
-        k_rot, k_pass = torch.split(k, split, dim=-1)
-        q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q_pass], dim=-1)
-        k = torch.cat([k_rot, k_pass], dim=-1)
+        rope_dims, pass_dims = indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim
+        trailing = family.indexer_rope_trailing  # the rotated dims last (HY-V4), else first (DeepSeek-V3.2)
+        split = [pass_dims, rope_dims] if trailing else [rope_dims, pass_dims]
+        q_parts, k_parts = list(torch.split(q, split, dim=-1)), list(torch.split(k, split, dim=-1))
+        rotated = 1 if trailing else 0
+        q_parts[rotated], k_parts[rotated] = rotate(q_parts[rotated], k_parts[rotated], cos, sin, unsqueeze_dim=2)
+        q, k = torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
     k = k.squeeze(2)
     weights_proj = indexer.weights_proj
     weights = weights_proj(hidden_states.to(weights_proj.weight.dtype)).float() * (indexer.n_heads ** -0.5)
@@ -120,19 +133,30 @@ def previous_topk(inputs):
     return inputs.prev_topk_indices
 
 
-def stock_indexer_call(indexer, family, hidden_states, q_resid, position_embeddings, mask3d, position_ids, cache):
-    """The layer's own indexer forward -> its int32 top-k [B, S, K], called as its stock attention calls it (the
-    cache by position: its keyword is `past_key_values` before transformers 5.24 and `cache` from 5.24; an
-    indexer taking its query from the layer input takes no q_resid)."""
-    if family.indexer_input_query:
-        return indexer(hidden_states, position_embeddings, mask3d, position_ids, cache)
-    return indexer(hidden_states, q_resid, position_embeddings, mask3d, position_ids, cache)
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(cls: type) -> tuple[str, ...]:
+    """The names of `cls.forward`'s positional parameters after `self`, in order."""
+    parameters = list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
+    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def dense_selection(attn, patch, hidden_states, q_lora, inputs):
+def stock_indexer_call(indexer, family, hidden_states, q_resid, position_embeddings, mask, position_ids, cache):
+    """The layer's own indexer forward -> its int32 top-k [B, S, K], each argument passed in the place its forward
+    names it (the cache is `past_key_values` before transformers 5.24 and `cache` from 5.24; an indexer taking its
+    query from the layer input takes no q_resid, GLM-5-Next's pooled indexer no RoPE tables and a 2-D mask).
+    `mask`: the mask the stock attention hands its indexer ([B, S, T], or the model's [B, S] padding mask)."""
+    values = {"hidden_states": hidden_states, "q_resid": q_resid, "position_embeddings": position_embeddings,
+              "attention_mask": mask, "position_ids": position_ids, **dict.fromkeys(CACHE_KEYWORDS, cache)}
+    return indexer(*(values[name] for name in _forward_parameters(type(indexer))))
+
+
+def dense_selection(attn, patch, hidden_states, q_lora, inputs, query_states, kv_length: int):
     """The dense mode's top-k, stock's exactly: (the attention mask with it folded in as stock folds it,
     or the mask unchanged and the top-k passed as `indices=` to other implementations; extra kwargs for
     the attention function; the int32 [B, S, min(index_topk, T)] top-k a "shared" next layer reuses).
+    A family whose mask is the top-k alone (`MlaFamily.topk_mask`, GLM-5-Next: the model hands the layer its
+    [B, S] padding mask, the indexer's top-k holds causality and padding) builds it with the layer's own
+    `build_attention_mask_from_topk` from `query_states` [B, N, S, D] and the `kv_length` keys.
 
     The layer's own indexer forward scores and selects (it writes its key through the stock cache's
     `update_indexer`, scores [B, S, T] against the model's mask and keeps `torch.topk`'s choice). Which
@@ -141,15 +165,20 @@ def dense_selection(attn, patch, hidden_states, q_lora, inputs):
     and contents), and with few indexer heads many scores are exactly 0 after the ReLU: only the same
     computation on the same row picks the same keys, which dense mode promises. `mla.lightning_indexer`
     and its tie rule serve the paged mode."""
-    mask = inputs.attention_mask
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        raise ValueError("sparse attention needs the model's 4-D attention mask (the indexer scores against it)")
+    mask, topk_mask = inputs.attention_mask, patch.family.topk_mask
+    if not isinstance(mask, torch.Tensor) or mask.dim() != (2 if topk_mask else 4):
+        raise ValueError(f"sparse attention needs the model's {'2-D padding' if topk_mask else '4-D attention'} "
+                         f"mask (the indexer scores against it)")
     if attn.indexer is None:
         columns = previous_topk(inputs)
     else:
-        # the stock call: the indexer scores against the 3-D [B, S, T] mask
+        # the stock call: the indexer scores against the 3-D [B, S, T] mask (the 2-D one where the top-k is the mask)
         columns = stock_indexer_call(attn.indexer, patch.family, hidden_states, None if q_lora is None else q_lora[1],
-                                     inputs.position_embeddings, mask[:, 0], inputs.position_ids, inputs.cache)
+                                     inputs.position_embeddings, mask if topk_mask else mask[:, 0],
+                                     inputs.position_ids, inputs.cache)
+    if topk_mask:
+        return attn.build_attention_mask_from_topk(topk_indices=columns, query_states=query_states,
+                                                   kv_length=kv_length), {}, columns
     if attn.config._attn_implementation in MASKED_IMPLEMENTATIONS:
         return restrict_mask(mask, columns, None, hidden_states.dtype), {}, columns
     return mask, {"indices": columns}, columns

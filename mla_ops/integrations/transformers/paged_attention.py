@@ -87,21 +87,22 @@ def _absorbed_weights(attn):
     return cached[2], cached[3]
 
 
-def absorbed_decode_step(attn, layer: "MLAPagedLayer", plan: "ForwardPlan", q_nope, q_pe, topk=None):
-    """One token per row: o = ((softmax(q_lat·latent + q_pe·k_pe) · latent) @ W_UV) -> [B, 1, N*V], over
-    every cached token (mla.mla_decode_attention) or, sparse attention, over the row-local positions
-    `topk` [B, 1, K] (mla.sparse_mla_attention; -1 = none)."""
+def absorbed_decode_step(attn, layer: "MLAPagedLayer", plan: "ForwardPlan", q_nope, q_pe, topk=None, window: int = 0):
+    """One token per row: o = ((softmax(q_lat·latent + q_pe·k_pe, sinks) · latent) @ W_UV) -> [B, 1, N*V], over
+    every cached token (mla.mla_decode_attention; its last `window` ones with a sliding window) or, sparse
+    attention, over the row-local positions `topk` [B, 1, K] (mla.sparse_mla_attention; -1 = none)."""
     w_uk, w_uv_t = _absorbed_weights(attn)
     batch = q_nope.shape[0]
+    sinks = getattr(attn, "sinks", None)  # per-head sink logits [N] (HY-V4), in each softmax denominator
     q_latent = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_uk).transpose(0, 1)  # [B, N, L]
     if topk is None:
         o_latent = torch.ops.mla.mla_decode_attention(q_latent, q_pe[:, :, 0], layer.latent_pool, layer.k_pe_pool,
-                                                      plan.block_tables, plan.seq_lens, attn.scaling)
+                                                      plan.block_tables, plan.seq_lens, attn.scaling, sinks, window)
     else:  # one query token per request
         starts = torch.arange(batch + 1, dtype=plan.seq_lens.dtype, device=q_latent.device)
         o_latent = torch.ops.mla.sparse_mla_attention(q_latent, q_pe[:, :, 0], layer.latent_pool, layer.k_pe_pool,
                                                       plan.block_tables, plan.seq_lens, starts, topk[:, 0],
-                                                      attn.scaling)
+                                                      attn.scaling, sinks)
     out = torch.bmm(o_latent.transpose(0, 1), w_uv_t)  # [N, B, V]
     return out.transpose(0, 1).reshape(batch, 1, -1)
 
@@ -125,19 +126,11 @@ def _gather_prefix(layer: "MLAPagedLayer", plan: "ForwardPlan"):
     return pad(packed_latent), pad(packed_k_pe), valid
 
 
-def window_positions(plan: "ForwardPlan", window: int):
-    """int32 [B, 1, window]: the row-local positions of each row's last `window` cached tokens, newest first (-1
-    before the row's first token): what a sliding-window layer's decode step attends to, handed to
-    mla.sparse_mla_attention as its top-k."""
-    offsets = torch.arange(window, device=plan.seq_lens.device)
-    positions = plan.seq_lens[:, None] - 1 - offsets[None]
-    return torch.where(positions >= 0, positions, -1).to(torch.int32)[:, None]
-
-
-def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk=None, window=None):
+def _prefill_with_prefix(attn, patch, layer, plan, query_states, latent, k_pe, topk=None, window=None):
     """New tokens attend to (gathered prefix + new tokens): materialised K/V via kv_b, own mask (narrowed
     to each real query's `topk` [B, S, K] row-local positions, sparse attention; to the last `window` tokens
-    up to each query, a sliding-window layer)."""
+    up to each query, a sliding-window layer). A family with attention sinks attends through its own attention
+    function (which takes the module's sinks) with the mask made additive."""
     prefix_latent, prefix_k_pe, prefix_valid = _gather_prefix(layer, plan)
     keys_latent = torch.cat((prefix_latent, latent), dim=1)  # [B, P+S, L]
     k_nope, value_states = expand_latent(attn, keys_latent)
@@ -158,6 +151,11 @@ def _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk=Non
     if topk is not None:
         columns = indexer.paged_columns(topk, plan, prefix_latent.shape[1])
         mask = indexer.restrict_mask(mask, columns, real, query_states.dtype)
+    if patch.family.attention_sinks:
+        additive = torch.zeros(mask.shape, dtype=query_states.dtype, device=mask.device)
+        additive.masked_fill_(~mask, torch.finfo(query_states.dtype).min)
+        out, _ = attend(attn, patch, query_states, key_states, value_states, additive, {})
+        return out.reshape(latent.shape[0], seq, -1)
     out = F.scaled_dot_product_attention(query_states, key_states, value_states.contiguous(), attn_mask=mask,
                                          scale=attn.scaling)
     return out.transpose(1, 2).reshape(latent.shape[0], seq, -1)
@@ -201,12 +199,11 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
     if window is not None and topk is not None:
         raise NotImplementedError(f"{patch.family.name}: a layer with both a sliding window and an indexer")
     if seq == 1:
-        selected = window_positions(plan, window) if window is not None else topk
-        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe, selected)
+        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe, topk, window or 0)
         return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states, gate), None, topk)
     query_states = torch.cat((q_nope, q_pe), dim=-1)
     if plan.has_prefix:
-        attn_output = _prefill_with_prefix(attn, layer, plan, query_states, latent, k_pe, topk, window)
+        attn_output = _prefill_with_prefix(attn, patch, layer, plan, query_states, latent, k_pe, topk, window)
         return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states, gate), None, topk)
     # Fresh prefill: the new tokens are all there is (padding included, masked by transformers' own mask),
     # so this is stock's arithmetic and gives stock's logits.
