@@ -4,15 +4,15 @@ op a node of the graph, and gives the eager step's logits. The sparse families r
 tests/test_sparse_families.py (with their indexer ops); the hybrids have no paged mode."""
 import pytest
 import torch
-from test_families import ATTENTION_ONLY_COMPILE, HYBRID, SPARSE_SERVED, SUPPORTED, _model, _prompt
+from test_families import ATTENTION_ONLY_COMPILE, DENSE_ONLY, SPARSE_SERVED, SUPPORTED, _model, _prompt
 
 import mla_ops
-from mla_ops.integrations.transformers import MLAPagedCache
+from mla_ops.integrations.transformers import MLAPagedCache, latent_layouts
 from mla_ops.testing.suites import GraphCapture
 
 pytestmark = pytest.mark.slow
 
-PAGED_DENSE_ATTENTION = [f for f in SUPPORTED if f not in HYBRID and f not in SPARSE_SERVED]
+PAGED_DENSE_ATTENTION = [f for f in SUPPORTED if f not in DENSE_ONLY and f not in SPARSE_SERVED]
 
 
 @pytest.mark.parametrize("family", PAGED_DENSE_ATTENTION)
@@ -22,10 +22,10 @@ def test_compiled_paged_decode_has_no_graph_break(family):
     model = _model(family)
     ids = _prompt(batch=1)
     config = model.config.get_text_config(decoder=True)
-    layers = sum(1 for m in model.modules() if hasattr(m, "kv_b_proj"))
+    layouts = latent_layouts(model)  # (a hybrid's linear-attention layers: None, their states in the cache too)
 
     def prefilled():
-        cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=32, block_size=4, num_layers=layers)
+        cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=32, block_size=4, layouts=layouts)
         model(ids, cache=cache, position_ids=torch.arange(ids.shape[1])[None], use_cache=True)
         return cache
 

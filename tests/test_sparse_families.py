@@ -11,7 +11,7 @@ logits (`test_the_top_k_decides_the_logits`): a bit-identical logit means the sa
 import pytest
 import torch
 from test_families import (
-    HYBRID,
+    DENSE_ONLY,
     NO_Q_PROLOG,
     NO_ROPE_ONLY,
     PAGED_REFUSAL,
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 SERVED = sorted(SPARSE_SERVED & set(families.installed_mla_model_types()))
 # the families served in the paged mode too (GLM-5-Next's linear-attention layers and pooled indexer: dense only)
-PAGED = [f for f in SERVED if f not in HYBRID]
+PAGED = [f for f in SERVED if f not in DENSE_ONLY]
 # GLM-5-Next's layers take the model's [B, S] padding mask: their attention mask is the indexer's top-k alone
 FOUR_D_MASK = [f for f in SERVED if f != "glm5_next"]
 # the RoPE layout of each indexer's own rotation (read off the function its forward calls)
@@ -130,7 +130,7 @@ def test_padded_prefill_logits_bit_identical(family, options, attn):
         with pytest.raises(ValueError, match=refusal):
             mla_ops.patch(model, **options)
         return
-    if options.get("cache") == "paged" and family in HYBRID:
+    if options.get("cache") == "paged" and family in DENSE_ONLY:
         with pytest.raises(NotImplementedError, match=PAGED_REFUSAL):
             mla_ops.patch(model, **options)
         return
@@ -161,7 +161,7 @@ def test_padded_greedy_tokens_equal_to_stock(family, static, cache, dtype):
     one."""
     model = _model(family, dtype=dtype)
     ids, mask = _padded_prompt()
-    if cache == "paged" and family in HYBRID:
+    if cache == "paged" and family in DENSE_ONLY:
         with pytest.raises(NotImplementedError, match=PAGED_REFUSAL):
             mla_ops.patch(model, rope=True, cache=cache)
         return

@@ -4,6 +4,7 @@ the layers run."""
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 import weakref
 
@@ -47,23 +48,41 @@ def new_paged_cache(decoder, config, **kwargs):
 def latent_layouts(model) -> list:
     """One `LatentLayout` per MLA layer of `model` (a decoder, or a model holding one), by layer_idx: its latent
     and rotary dims, the layer whose latent KV it reads (Mistral-Large-4's `kv_source_layers`; itself
-    elsewhere) and whether it runs an indexer of its own. Refuses a decoder whose layers are not all MLA
-    (hybrids with linear attention keep state MLAPagedCache cannot hold)."""
+    elsewhere) and whether it runs an indexer of its own; None for a hybrid's linear-attention layer (its
+    states go to transformers' `LinearAttentionLayer` inside the paged cache). Refuses a decoder with layers of
+    any other kind, whose state MLAPagedCache cannot hold."""
     decoder = model if hasattr(model, "layers") else next(iter(decoder_stacks(model)))
     by_index = {}
     for layer in decoder.layers:
         mla = [m for m in layer.modules() if is_mla_attention(m)]
         if not mla:
+            linear = [m for m in layer.modules() if LINEAR_ATTENTION_STATE_CALLS & _forward_names(type(m))]
+            if len(linear) == 1 and isinstance(getattr(linear[0], "layer_idx", None), int):
+                by_index[linear[0].layer_idx] = None  # (its states: the cache's LinearAttentionLayer)
+                continue
             raise NotImplementedError(
                 f"cache='paged': {type(decoder).__name__} mixes MLA layers with layers of another kind ("
-                f"{type(layer).__name__} has no MLA attention, e.g. linear attention), whose state lives in "
-                f"transformers' own cache; MLAPagedCache holds MLA latents only. Use cache='dense'")
+                f"{type(layer).__name__} has no MLA attention and no linear attention keeping its states through "
+                f"the cache's update_conv_state / update_recurrent_state); MLAPagedCache holds MLA latents and "
+                f"linear-attention states only. Use cache='dense'")
         for attn in mla:
             shared = getattr(attn, "is_kv_shared_layer", False)
             source = attn.config.kv_source_layers[attn.layer_idx] if shared else attn.layer_idx
             by_index[attn.layer_idx] = LatentLayout(attn.kv_lora_rank, attn.qk_rope_head_dim, source,
                                                     getattr(attn, "indexer", None) is not None)
+    if all(layout is None for layout in by_index.values()):
+        raise NotImplementedError(f"cache='paged': {type(decoder).__name__} has no MLA layer to page")
     return [by_index[i] for i in range(max(by_index) + 1)]
+
+
+# What a linear-attention module's forward calls on the cache to keep its states (KDA: Kimi-Linear, Bailing-hybrid).
+LINEAR_ATTENTION_STATE_CALLS = frozenset({"update_conv_state", "update_recurrent_state"})
+
+
+def _forward_names(cls: type) -> frozenset:
+    forward = cls.__dict__.get("forward")
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return frozenset(code.co_names) if code is not None else frozenset()
 
 
 def _instance_wants_dense(decoder) -> bool:

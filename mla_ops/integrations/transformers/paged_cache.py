@@ -17,6 +17,10 @@ real tokens.
   indexer keys `[num_blocks, block_size, 1, index_head_dim]` (written with `mla.scatter_pa_cache`,
   same block tables); the decode attends to the indexer's top-k with `mla.sparse_mla_attention`.
 
+A hybrid model's linear-attention layers (Kimi-Linear, Bailing-hybrid: KDA beside MLA) keep their conv and
+recurrent states in transformers' own `LinearAttentionLayer` at their layer index, through the `Cache` methods
+those layers call (`get_conv_state`, `update_recurrent_state`, ...); the MLA layers' latents are paged.
+
 `MLAPagedCache(static=False)` grows block by block from a free list as tokens arrive (host
 bookkeeping, pools double when full; it refuses to be traced by torch.compile). Its first
 reservation is at most `MAX_INITIAL_TOKENS_PER_ROW` tokens per row whatever `max_cache_len` says:
@@ -177,6 +181,18 @@ class MLAPagedLayer(PagedLayerView):
         pass  # the parent cache crops the shared bookkeeping once (Cache.crop calls every layer)
 
 
+def linear_attention_layer():
+    """transformers' own cache layer for a hybrid's linear-attention states (conv and recurrent), or
+    NotImplementedError on a release without one."""
+    from transformers import cache_utils
+
+    layer_class = getattr(cache_utils, "LinearAttentionLayer", None)
+    if layer_class is None:
+        raise NotImplementedError("cache='paged' on a hybrid model (linear attention beside MLA) needs transformers' "
+                                  "LinearAttentionLayer (transformers 5.24 has it); use cache='dense' here")
+    return layer_class()
+
+
 def unsupported(what: str):
     raise NotImplementedError(
         f"MLAPagedCache does not support {what}: rows own their blocks and there is no copy-on-write for "
@@ -240,11 +256,16 @@ class PagedCache(Cache):
             return self._seen_tensor if self._seen_tensor is not None else 0
         return self._seen
 
+    @property
+    def paged_layers(self) -> list:
+        """The layers whose tokens this cache pages (a hybrid's linear-attention layers hold states instead)."""
+        return [layer for layer in self.layers if isinstance(layer, PagedLayerView)]
+
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layers[0].get_mask_sizes(query_length)
+        return self.paged_layers[0].get_mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return self.layers[0].get_max_length()
+        return self.paged_layers[0].get_max_length()
 
     @property
     def batch_size(self) -> int:
@@ -256,6 +277,9 @@ class PagedCache(Cache):
         if self._seen_tensor is not None:
             self._seen_tensor.zero_()
         self._seen, self.plan = 0, None
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayerView):  # a linear-attention layer's states: zeroed, kept
+                layer.reset()
         self.release_rows()
 
     def reorder_cache(self, beam_idx) -> None:
@@ -286,7 +310,8 @@ class MLAPagedCache(PagedCache):
         num_layers: MLA layers to hold (default config.num_hidden_layers; LongCat-Flash has two per
             decoder layer).
         layouts: one `LatentLayout` per layer where the layers differ (dims per layer, layers sharing an earlier
-            layer's latent KV: `latent_layouts(model)` reads them off a model); default: every layer owns
+            layer's latent KV: `latent_layouts(model)` reads them off a model), None for a linear-attention layer
+            of a hybrid (its states in a transformers `LinearAttentionLayer`); default: every layer owns
             config.kv_lora_rank + config.qk_rope_head_dim.
     """
 
@@ -307,15 +332,21 @@ class MLAPagedCache(PagedCache):
                        for i in range(count)]
             layouts = [LatentLayout(config.kv_lora_rank, config.qk_rope_head_dim, i, indexed[i]) for i in range(count)]
         layouts = list(layouts)
-        self.num_layers = len(layouts)
+        self.num_layers = sum(layout is not None for layout in layouts)
         for i, layout in enumerate(layouts):
-            if layout.source > i or layouts[layout.source].source != layout.source:
+            if layout is None:
+                continue
+            source = layouts[layout.source] if 0 <= layout.source <= i else None
+            if source is None or source.source != layout.source:
                 raise ValueError(f"layouts[{i}]: a layer reads the latent KV of an earlier layer that owns it, got "
                                  f"source {layout.source}")
             if layout.indexer and self.index_head_dim is None:
                 raise ValueError(f"layouts[{i}]: an indexer layer, but the config has no index_topk / index_head_dim")
         layers = []
         for i, layout in enumerate(layouts):
+            if layout is None:
+                layers.append(linear_attention_layer())
+                continue
             source = None if layout.source == i else layers[layout.source]
             layers.append(MLAPagedLayer(self, layout, source))
         super().__init__(layers=layers)
@@ -331,7 +362,7 @@ class MLAPagedCache(PagedCache):
     def check_layouts(self, layouts) -> None:
         """Refuse (ValueError, before anything is written) a model whose MLA layers (`latent_layouts(model)`)
         are not the ones this cache was built for."""
-        held = [layer.layout for layer in self.layers]
+        held = [getattr(layer, "layout", None) for layer in self.layers]
         if list(layouts) != held:
             raise ValueError(f"this MLAPagedCache holds the layers {held}, but the model's are {list(layouts)} (dims "
                              f"per layer, layers sharing an earlier layer's latent KV): build the cache with the "
@@ -361,15 +392,15 @@ class MLAPagedCache(PagedCache):
             self._blocks_host = [[] for _ in range(batch_size)]
             self.block_tables = torch.zeros(batch_size, 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        for layer in self.layers:
+        for layer in self.paged_layers:
             layer.allocate(num_blocks, dtype, device)
 
     def _take_blocks(self, count: int) -> list[int]:
         """Pop `count` block ids off the free stack, doubling every layer's pool when it runs out."""
         if count > len(self._free):
-            old = self.layers[0].keys.shape[0]
+            old = self.paged_layers[0].keys.shape[0]
             new = max(2 * old, old + count - len(self._free))
-            for layer in self.layers:
+            for layer in self.paged_layers:
                 layer.grow(new)
             self._free = list(range(new - 1, old - 1, -1)) + self._free  # new ids go under the old ones
         taken = self._free[len(self._free) - count:]
@@ -384,7 +415,7 @@ class MLAPagedCache(PagedCache):
                 "MLAPagedCache(static=False) allocates blocks on the host and cannot be traced by torch.compile; "
                 "use MLAPagedCache(config, static=True, batch_size=..., max_cache_len=...) or "
                 "generate(..., cache_implementation='static') for compiled decoding")
-        if self.layers[0].keys is None:
+        if self.paged_layers[0].keys is None:
             self._allocate(batch_size, dtype, device)
         if batch_size != self._batch_size:
             raise ValueError(f"MLAPagedCache holds {self._batch_size} rows but the forward has batch size "
@@ -478,6 +509,8 @@ class MLAPagedCache(PagedCache):
         blocks go back to the free list."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if len(self.paged_layers) != len(self.layers):
+            self.unsupported("crop with linear-attention layers (their recurrent states cannot be taken back)")
         n = -tokens_to_remove
         if n == 0 or self.seq_lens is None:
             return
@@ -496,17 +529,18 @@ class MLAPagedCache(PagedCache):
         """Bytes held by the cache. `bytes_per_token_per_layer` counts the blocks assigned to rows
         divided by the tokens they hold (so it is the 1152 B payload in bf16 V2-Lite plus at most
         one partly filled block per row); `pool_bytes` is everything allocated, free blocks included."""
-        if self.layers[0].keys is None:
+        layers = self.paged_layers
+        if layers[0].keys is None:
             return {"tokens": 0, "pool_bytes": 0, "assigned_bytes": 0, "bytes_per_token_per_layer": 0.0}
-        # payload per token, averaged over the layers (only those with an indexer hold its keys)
-        per_slot = sum(t[0, 0].numel() * t.element_size() for layer in self.layers for t in layer.pools())
+        # payload per token, averaged over the MLA layers (only those with an indexer hold its keys)
+        per_slot = sum(t[0, 0].numel() * t.element_size() for layer in layers for t in layer.pools())
         per_slot /= self.num_layers
         lens = self.seq_lens.tolist()
         if self.static:
             assigned_blocks = len(lens) * self.blocks_per_row
         else:
             assigned_blocks = sum(len(b) for b in self._blocks_host)
-        pool = sum(t.nbytes for layer in self.layers for t in layer.pools())
+        pool = sum(t.nbytes for layer in layers for t in layer.pools())
         assigned = assigned_blocks * self.block_size * per_slot * self.num_layers
         tokens = sum(lens)
         return {

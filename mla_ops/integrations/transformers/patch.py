@@ -365,7 +365,7 @@ def _instance_targets(model: torch.nn.Module, options: PatchOptions) -> _Targets
         decoders = [(decoder, model) for decoder in generation.decoder_stacks(model)]
         for decoder, _ in decoders:
             if not generation.holds_shared_kv(decoder):
-                generation.latent_layouts(decoder)  # refuses hybrids before anything is patched
+                generation.latent_layouts(decoder)  # refuses layers it cannot page before anything is patched
         if not decoders:
             raise ValueError(f"cache='paged' needs the decoder (a module with embed_tokens and layers) inside "
                              f"{type(model).__name__}")
