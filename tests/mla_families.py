@@ -176,9 +176,10 @@ def indexer_layers(config) -> int:
     if not getattr(config, "index_topk", None):
         return 0
     indexer_types = getattr(config, "indexer_types", None)
-    if indexer_types:
-        return indexer_types.count("full")
     layer_types = getattr(config, "layer_types", None)  # (dots3_note: "sliding_attention" layers have none)
+    if indexer_types:  # (GLM-5-Next: its linear-attention layers are listed too)
+        return sum(kind == "full" and (not layer_types or layer_types[i] == "indexed_attention")
+                   for i, kind in enumerate(indexer_types[:config.num_hidden_layers]))
     return layer_types.count("indexed_attention") if layer_types else config.num_hidden_layers
 
 

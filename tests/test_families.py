@@ -36,9 +36,8 @@ SPARSE = {"axk2", "deepseek_v32", "dots3_note", "glm5_next", "glm_moe_dsa", "hy_
 SPARSE_SERVED = {"axk2", "deepseek_v32", "dots3_note", "glm5_next", "glm_moe_dsa", "hy_v4", "hy_v4_vl",
                  "mistral_large4"}
 SUPPORTED = [f for f in INSTALLED if f not in SPARSE or f in SPARSE_SERVED]
-# GLM-5-Next's indexer pools its keys, which the paged mode does not: dense mode only
-DENSE_ONLY = {"glm5_next"}
-PAGED_REFUSAL = "keys pooled over blocks of tokens"
+# GLM-5-Next's indexer pools its keys over blocks of tokens ("KeyPool"): its own forward selects in both modes
+POOLED_INDEXER = {"glm5_next"}
 EXPECTED_ROPE = {"deepseek_v2": "interleaved", "deepseek_v3": "half", "axk1": "half", "glm4_moe_lite": "half",
                  "youtu": "half", "mistral4": "half", "bailing_hybrid": "half", "longcat_flash": "half",
                  "minicpm3": "neox", "kimi_linear": None, "deepseek_v32": "half", "glm_moe_dsa": "half",
@@ -139,7 +138,8 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
     * sparse attention, paged mode: lightning_indexer in every layer with its own indexer (not the "shared"
       ones of config.indexer_types), which also writes its keys with scatter_pa_cache; the paged decode
       attends with sparse_mla_attention instead of mla_decode_attention. Dense mode selects with the
-      stock indexer (no op call: its torch.topk choice among tied scores is stock's only that way); a
+      stock indexer (no op call: its torch.topk choice among tied scores is stock's only that way), as the paged
+      mode's pooled indexer (GLM-5-Next: its forward over the paged rows, their keys written by scatter_pa_cache); a
       sliding-window layer (dots3_note) decodes with mla_decode_attention's sliding_window.
     """
     config = model.config
@@ -147,7 +147,8 @@ def expected_calls(family, model, options, forwards=1, decode_steps=0):
     ropeless_owners = mla_families.ropeless_kv_owners(config)  # (their latent through mla.rms_norm)
     rotating = mla_families.rope_layers(config) if EXPECTED_ROPE[family] is not None else 0
     indexed = mla_families.indexer_layers(config)
-    sparse = {"lightning_indexer": indexed} if indexed else {}
+    # (a pooled indexer, GLM-5-Next's, selects with its own forward over the paged rows: no indexer op)
+    sparse = {"lightning_indexer": indexed} if indexed and family not in POOLED_INDEXER else {}
     kv_norms = {"rms_norm": ropeless_owners} if ropeless_owners else {}
     prolog_layers = owners - ropeless_owners
     if family in KEY_ROPE_NORM:  # rms_norm on the latent and k_pe, rope on k_pe in place of the prolog op
@@ -272,8 +273,6 @@ def test_prefill_logits_bit_identical(family, options, dtype):
         with pytest.raises(ValueError, match=NO_Q_PROLOG[family]):
             mla_ops.patch(model, **options)
         return
-    if options.get("cache") == "paged" and family in DENSE_ONLY:
-        return  # refused: test_greedy_tokens_equal_to_stock
     if options.get("kv_prolog") is False and family in NO_ROPE_ONLY:
         with pytest.raises(ValueError, match=NO_ROPE_ONLY[family]):
             mla_ops.patch(model, **options)
@@ -302,10 +301,6 @@ def test_greedy_tokens_equal_to_stock(family, cache, dtype):
     are tests/test_paged_model.py's)."""
     model = _model(family, dtype=DTYPES[dtype])
     ids = _prompt()
-    if cache == "paged" and family in DENSE_ONLY:
-        with pytest.raises(NotImplementedError, match=PAGED_REFUSAL):
-            mla_ops.patch(model, cache="paged")
-        return
     options = dict(cache=cache, rope=True)
     with torch.no_grad():
         expected = _greedy(model, ids, output_logits=True, return_dict_in_generate=True)
@@ -409,7 +404,7 @@ def test_revert_restores_the_stock_model(family):
     stock_forwards = _forwards(model)
     with torch.no_grad():
         expected = model(ids).logits
-        handle = mla_ops.patch(model, rope=True, rms_norm=True, cache="dense" if family in DENSE_ONLY else "paged")
+        handle = mla_ops.patch(model, rope=True, rms_norm=True, cache="paged")
         assert _forwards(model) != stock_forwards
         model(ids)
         handle.revert()

@@ -4,7 +4,7 @@ op a node of the graph, and gives the eager step's logits. The sparse families r
 tests/test_sparse_families.py (with their indexer ops); the hybrids have no paged mode."""
 import pytest
 import torch
-from test_families import ATTENTION_ONLY_COMPILE, DENSE_ONLY, SPARSE_SERVED, SUPPORTED, _model, _prompt
+from test_families import ATTENTION_ONLY_COMPILE, SPARSE_SERVED, SUPPORTED, _model, _prompt
 
 import mla_ops
 from mla_ops.integrations.transformers import MLAPagedCache, latent_layouts
@@ -12,7 +12,7 @@ from mla_ops.testing.suites import GraphCapture
 
 pytestmark = pytest.mark.slow
 
-PAGED_DENSE_ATTENTION = [f for f in SUPPORTED if f not in DENSE_ONLY and f not in SPARSE_SERVED]
+PAGED_DENSE_ATTENTION = [f for f in SUPPORTED if f not in SPARSE_SERVED]
 
 
 @pytest.mark.parametrize("family", PAGED_DENSE_ATTENTION)

@@ -11,10 +11,9 @@ logits (`test_the_top_k_decides_the_logits`): a bit-identical logit means the sa
 import pytest
 import torch
 from test_families import (
-    DENSE_ONLY,
     NO_Q_PROLOG,
     NO_ROPE_ONLY,
-    PAGED_REFUSAL,
+    POOLED_INDEXER,
     SPARSE_SERVED,
     _model,
     _prompt,
@@ -33,8 +32,6 @@ from utils import MlaCalls
 pytestmark = pytest.mark.slow
 
 SERVED = sorted(SPARSE_SERVED & set(families.installed_mla_model_types()))
-# the families served in the paged mode too (GLM-5-Next's linear-attention layers and pooled indexer: dense only)
-PAGED = [f for f in SERVED if f not in DENSE_ONLY]
 # GLM-5-Next's layers take the model's [B, S] padding mask: their attention mask is the indexer's top-k alone
 FOUR_D_MASK = [f for f in SERVED if f != "glm5_next"]
 # the RoPE layout of each indexer's own rotation (read off the function its forward calls)
@@ -99,7 +96,8 @@ def test_dense_prefill_bit_identical_where_scores_tie_across_the_kth_place(famil
     """Dense mode selects as stock does (its indexer forward and torch.topk), so its prefill logits are
     stock's bit for bit also where exactly equal scores straddle the k-th place; the paged prefill keeps
     the op's documented rule (equal scores: lower position first) and differs from stock on this prompt,
-    which shows the ties decide."""
+    which shows the ties decide (a pooled indexer, GLM-5-Next's, selects with its own forward in the paged
+    mode too: there the paged prefill is stock's as well)."""
     model_seed, prompt_seed = FEW_INDEXER_HEADS[family]
     model = _model(family, seed=model_seed, index_n_heads=4, index_topk=4, initializer_range=1.0)
     ids = torch.randint(3, mla_families.VOCAB, (1, 24), generator=torch.Generator().manual_seed(prompt_seed))
@@ -108,10 +106,10 @@ def test_dense_prefill_bit_identical_where_scores_tie_across_the_kth_place(famil
         with mla_ops.patch(model, rope=True, cache="dense"):
             dense = model(ids).logits
         assert torch.equal(dense, expected)
-        if family in PAGED:
-            with mla_ops.patch(model, rope=True, cache="paged"):
-                paged = model(ids).logits
-            assert not torch.equal(paged, expected)
+        with mla_ops.patch(model, rope=True, cache="paged"):
+            paged = model(ids).logits
+        # (a pooled indexer selects with its own forward in the paged mode too: stock's ties)
+        assert torch.equal(paged, expected) == (family in POOLED_INDEXER)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -128,10 +126,6 @@ def test_padded_prefill_logits_bit_identical(family, options, attn):
         NO_ROPE_ONLY.get(family) if options.get("kv_prolog") is False else None
     if refusal:
         with pytest.raises(ValueError, match=refusal):
-            mla_ops.patch(model, **options)
-        return
-    if options.get("cache") == "paged" and family in DENSE_ONLY:
-        with pytest.raises(NotImplementedError, match=PAGED_REFUSAL):
             mla_ops.patch(model, **options)
         return
     with torch.no_grad():
@@ -161,10 +155,6 @@ def test_padded_greedy_tokens_equal_to_stock(family, static, cache, dtype):
     one."""
     model = _model(family, dtype=dtype)
     ids, mask = _padded_prompt()
-    if cache == "paged" and family in DENSE_ONLY:
-        with pytest.raises(NotImplementedError, match=PAGED_REFUSAL):
-            mla_ops.patch(model, rope=True, cache=cache)
-        return
     extra = dict(cache_implementation="static") if static else {}
     options = dict(rope=True, cache=cache)
     with torch.no_grad():
@@ -186,7 +176,7 @@ def test_padded_greedy_tokens_equal_to_stock(family, static, cache, dtype):
     assert real.all(-1).tolist() == [True, False]
 
 
-@pytest.mark.parametrize("family", PAGED)
+@pytest.mark.parametrize("family", SERVED)
 def test_prompt_continued_in_a_second_forward(family):
     """Paged, a prompt fed in two forwards (the second reads the prefix back with gather_pa_kv_cache and
     folds the indexer's choice among prefix + new keys into its own mask): the logits of the whole prompt
@@ -204,14 +194,15 @@ def test_prompt_continued_in_a_second_forward(family):
     torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-5)
     assert torch.equal(got[real].argmax(-1), expected[real].argmax(-1))
     assert calls.counts["gather_pa_kv_cache"] == mla_families.mla_layers(model.config)
-    assert calls.counts["lightning_indexer"] == 2 * mla_families.indexer_layers(model.config)
+    indexer_op = 0 if family in POOLED_INDEXER else 2 * mla_families.indexer_layers(model.config)
+    assert calls.counts.get("lightning_indexer", 0) == indexer_op
 
 
 def _decode_once(forward, ids, cache, position):
     return forward(ids, cache=cache, position_ids=torch.tensor([[position]]), use_cache=True).logits
 
 
-@pytest.mark.parametrize("family", PAGED)
+@pytest.mark.parametrize("family", SERVED)
 def test_compiled_paged_decode_has_no_graph_break(family):
     """A decode step on a static MLAPagedCache traces whole (fullgraph=True) with the indexer op, the
     indexer-key write and the sparse attention as graph nodes, and gives the eager step's logits."""
@@ -233,7 +224,8 @@ def test_compiled_paged_decode_has_no_graph_break(family):
         compiled = _decode_once(torch.compile(model, backend=capture, fullgraph=True), nxt, prefilled(), ids.shape[1])
     assert len(capture.graphs) == 1
     targets = capture.call_targets()
-    assert {"mla.lightning_indexer", "mla.scatter_pa_cache", "mla.sparse_mla_attention"} <= targets, sorted(targets)
+    assert {"mla.scatter_pa_cache", "mla.sparse_mla_attention"} <= targets, sorted(targets)
+    assert ("mla.lightning_indexer" in targets) == (family not in POOLED_INDEXER)
     # (a sliding-window layer, dots3_note's, decodes with mla_decode_attention's sliding_window)
     windowed = mla_families.sparse_layers(config) < mla_families.mla_layers(config)
     assert ("mla.mla_decode_attention" in targets) == windowed
@@ -313,28 +305,32 @@ def test_dense_mode_serves_a_mask_of_packed_sequences_as_stock(family):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("family", PAGED)
+@pytest.mark.parametrize("family", SERVED)
 def test_paged_cache_keeps_indexer_keys_where_a_layer_has_an_indexer(family):
     model = _model(family)
     config = _text_config(model)
     layouts = latent_layouts(model)
     cache = MLAPagedCache(config, static=True, batch_size=1, max_cache_len=16, block_size=4, dtype=torch.float32,
                           layouts=layouts)
-    indexed = [layer.indexer_keys is not None for layer in cache.layers]
-    assert indexed == [layer.self_attn.indexer is not None for layer in _decoder(model).layers]
+    # (a hybrid's linear-attention layers, GLM-5-Next's, hold states, not pools)
+    paged = [(layer, attn) for layer, attn in zip(cache.layers, (d.self_attn for d in _decoder(model).layers))
+             if layer in cache.paged_layers]
+    indexed = [layer.indexer_keys is not None for layer, _ in paged]
+    assert indexed == [attn.indexer is not None for _, attn in paged]
     assert sum(indexed) == mla_families.indexer_layers(config)
-    for layer in cache.layers:
+    # a pooled indexer's rows hold each token's key and gate score
+    width = config.index_head_dim * (2 if family in POOLED_INDEXER else 1)
+    for layer, _ in paged:
         if layer.indexer_keys is not None:
-            assert layer.indexer_pool.shape == (4, 4, 1, config.index_head_dim)
+            assert layer.indexer_pool.shape == (4, 4, 1, width)
         else:
             with pytest.raises(RuntimeError, match="holds no indexer keys"):
                 layer.indexer_pool
     # the latent pools of the layers owning theirs (a layer sharing an earlier layer's latent KV holds none)
-    latent_bytes = sum((layout.kv_lora_rank + layout.rope_dim) * 4 for i, layout in enumerate(layouts)
-                       if layout.source == i)
+    owned = [layout for i, layout in enumerate(layouts) if layout is not None and layout.source == i]
+    latent_bytes = sum((layout.kv_lora_rank + layout.rope_dim) * 4 for layout in owned)
     report = cache.memory_report()
-    assert report["payload_bytes_per_token_per_layer"] == (latent_bytes + config.index_head_dim * 4 * sum(indexed)) \
-        / len(layouts)
+    assert report["payload_bytes_per_token_per_layer"] == (latent_bytes + width * 4 * sum(indexed)) / len(paged)
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -343,7 +339,7 @@ def test_revert_and_class_level_patch(family):
     ids, mask = _padded_prompt()
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
-        handle = mla_ops.patch(model, rope=True, cache="paged" if family in PAGED else "dense")
+        handle = mla_ops.patch(model, rope=True, cache="paged")
         model(ids, attention_mask=mask)
         handle.revert()
         assert all(not any(k.startswith("_mla_ops") or k == "forward" for k in m.__dict__) for m in model.modules())

@@ -63,8 +63,6 @@ def _print_mla_families() -> None:
             continue
         for family in described:
             status = "supported" if family.refused is None else f"refused: {family.refused}"
-            if family.refused is None and family.indexer_pooled:
-                status += " (dense mode: its indexer pools keys, which the paged mode does not)"
             if family.model_type != model_type:  # built from another family's classes
                 status += f" (the {family.model_type} attention)"
             layout = family.rope if family.rope != "config" else "config.rope_interleave"

@@ -151,7 +151,7 @@ UNREPRODUCED = {
     "q_input_norm": "an indexer query from the normed layer input",
 }
 # What a pooled ("KeyPool") indexer adds (GLM-5-Next: keys pooled over index_kpool tokens by a learned gate, the best
-# pools expanded back into their tokens, the open pool's tokens appended): its own forward serves the dense mode.
+# pools expanded back into their tokens, the open pool's tokens appended): its own forward selects in both modes.
 POOLED_INDEXER_NAMES = frozenset({
     "append_visible_tail", "arange", "clamp", "device", "expand", "expand_as", "finfo", "flatten", "gather",
     "get_pooled_states", "get_seq_length", "get_visible_tokens", "index_kpool", "index_kpool_always_select_tail",
@@ -199,7 +199,7 @@ class MlaFamily:
     modeling module; None: dense attention); `indexer_rope_trailing`: it rotates the trailing
     qk_rope_head_dim dims of the indexer's q and k (HY-V4), not the leading ones; `indexer_pooled`: it scores keys
     pooled over blocks of tokens (GLM-5-Next's KeyPool; its RoPE function, if any, in `indexer`), served by its own
-    forward in the dense mode only. `topk_mask`: the attention mask is the top-k alone. `shared_topk`: the forward
+    forward in both modes. `topk_mask`: the attention mask is the top-k alone. `shared_topk`: the forward
     takes `prev_topk_indices` and returns its top-k third (GLM-5's cross-layer sharing). `refused`: why it
     cannot be patched (None when it can). `shared_kv`: DeepSeek-V4's shared-KV attention (one K=V row per
     token, compressors, sinks; served by `shared_kv`, whose `describe_shared_kv` reads such a class)."""
@@ -426,7 +426,7 @@ def indexer_classes(cls: type) -> list:
 def describe_indexer(cls: type) -> tuple[Optional[str], Optional[str], bool, bool, bool]:
     """(the indexer's RoPE function name, None, whether its query comes from the layer input, whether it rotates
     the trailing qk_rope_head_dim dims of q and k, whether it pools its keys) for a DeepSeek-V3.2 indexer the
-    patch reproduces (or a pooled one, GLM-5-Next's: served by its own forward in the dense mode, its RoPE
+    patch reproduces (or a pooled one, GLM-5-Next's: served by its own forward, its RoPE
     function None where it has none), else (None, why not, False, False, False): read off the indexer class's
     forward, as the attention's is."""
     classes = indexer_classes(cls)

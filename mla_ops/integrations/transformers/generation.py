@@ -68,8 +68,10 @@ def latent_layouts(model) -> list:
         for attn in mla:
             shared = getattr(attn, "is_kv_shared_layer", False)
             source = attn.config.kv_source_layers[attn.layer_idx] if shared else attn.layer_idx
+            own_indexer = getattr(attn, "indexer", None)
             by_index[attn.layer_idx] = LatentLayout(attn.kv_lora_rank, attn.qk_rope_head_dim, source,
-                                                    getattr(attn, "indexer", None) is not None)
+                                                    own_indexer is not None,
+                                                    hasattr(own_indexer, "get_pooled_states"))
     if all(layout is None for layout in by_index.values()):
         raise NotImplementedError(f"cache='paged': {type(decoder).__name__} has no MLA layer to page")
     return [by_index[i] for i in range(max(by_index) + 1)]

@@ -9,7 +9,9 @@ stock indexer computes them, with its modules and the RoPE function its forward 
 NeoX half-split, GLM-5: interleaved pairs; HY-V4 rotates the trailing dims and norms the key in fp32).
 Scoring and selection, sum_h w_h * relu(scale * q_h.k) over the keys a query may see and the best
 `index_topk` of them, are one `mla.lightning_indexer` call over the paged indexer-key pool; a prefill
-folds the chosen keys into its mask, the decode hands them to `mla.sparse_mla_attention`.
+folds the chosen keys into its mask, the decode hands them to `mla.sparse_mla_attention`. A pooled indexer
+(GLM-5-Next's "KeyPool": keys pooled over blocks of tokens by a learned gate) selects with its own forward
+in both modes; the paged mode hands it the cached rows as its stock cache would (`PooledIndexerRows`).
 
 Requests. The op reads a request's keys through a block table and lets query i of a request with
 q_len queries and seq_len keys see positions 0..seq_len-q_len+i (right-down causal), so each batch
@@ -190,6 +192,8 @@ def paged_selection(attn, patch, hidden_states, q_lora, inputs, layer, plan):
     plan's slots: padding is never stored) and the op reads the pool through the row block tables."""
     if attn.indexer is None:
         return previous_topk(inputs)
+    if patch.family.indexer_pooled:
+        return pooled_selection(attn, hidden_states, None if q_lora is None else q_lora[1], layer, plan)
     with torch.no_grad():
         q, k, weights = indexer_query_key(attn.indexer, patch.family, hidden_states,
                                           None if q_lora is None else q_lora[1], inputs.position_embeddings,
@@ -197,6 +201,60 @@ def paged_selection(attn, patch, hidden_states, q_lora, inputs, layer, plan):
         pool = layer.indexer_pool_like(k)
         torch.ops.mla.scatter_pa_cache(k.reshape(-1, 1, k.shape[-1]), pool, plan.slot_mapping)
         return select_topk(attn.indexer, q, weights, pool, plan.block_tables, plan.seq_lens, plan.real)
+
+
+class PooledIndexerRows:
+    """The stock cache as a pooled indexer (GLM-5-Next's "KeyPool") reads it, over a paged layer: its forward
+    hands `update_indexer` the new tokens' (key | gate score | valid) rows and gets back every cached row of each
+    batch row, and reads the rows' width from `layers[i].keys` and `layers[i].get_seq_length()`.
+
+    The new rows go into the layer's indexer pool (`mla.scatter_pa_cache`, the plan's slots: padding is never
+    stored), and each batch row's cached rows come back right-aligned in `width` columns (the table's capacity,
+    a static shape), the valid channel 0 before them: where a left-padded stock cache keeps them, so the
+    forward pools, scores, selects and expands as its stock call does (left padding, as generate pads).
+    `row_local` turns its columns back into the paged cache's row-local positions."""
+
+    def __init__(self, layer, plan, layer_idx: int):
+        self.pool, self.plan = layer.indexer_pool, plan
+        self.block_size = self.pool.shape[1]
+        self.width = plan.block_tables.shape[1] * self.block_size
+        self.layers = {layer_idx: self}
+        self.keys = self.pool.new_empty(0, self.width, 0)  # (what the stock forward reads the width off)
+
+    def get_seq_length(self) -> int:
+        return self.width
+
+    def update_indexer(self, packed, layer_idx: int):
+        """packed [B, S, 2D + 1] (key | gate score | valid) of the new tokens -> [B, width, 2D + 1] of every
+        cached token, right-aligned."""
+        plan = self.plan
+        new = packed[..., :-1].to(self.pool.dtype)
+        torch.ops.mla.scatter_pa_cache(new.reshape(-1, 1, new.shape[-1]), self.pool, plan.slot_mapping)
+        position = torch.arange(self.width, device=packed.device)[None, :] - self.offsets()[:, None]  # [B, W]
+        valid = position >= 0
+        position = position.clamp(min=0)
+        block = torch.gather(plan.block_tables.long(), 1, torch.div(position, self.block_size, rounding_mode="floor"))
+        rows = self.pool[block.clamp(0, self.pool.shape[0] - 1), position % self.block_size, 0]  # [B, W, 2D]
+        rows = rows.masked_fill(~valid[..., None], 0)
+        return torch.cat([rows, valid[..., None].to(rows.dtype)], dim=-1).to(packed.dtype)
+
+    def offsets(self):
+        """[B] the column of each row's first cached token."""
+        return self.width - self.plan.seq_lens.long()
+
+    def row_local(self, columns):
+        """[B, S, K] columns of the right-aligned rows (-1 none) -> the paged cache's row-local positions."""
+        local = columns.long() - self.offsets()[:, None, None]
+        return torch.where((columns >= 0) & (local >= 0), local, -1).to(torch.int32)
+
+
+def pooled_selection(attn, hidden_states, q_resid, layer, plan):
+    """A pooled indexer's top-k in the paged mode: its own forward over the cached (key | gate score) rows
+    (`PooledIndexerRows`) -> int32 [B, S, K] row-local positions (-1 none; -1 everywhere for a padding query)."""
+    rows = PooledIndexerRows(layer, plan, attn.layer_idx)
+    with torch.no_grad():
+        columns = stock_indexer_call(attn.indexer, None, hidden_states, q_resid, None, plan.real, None, rows)
+    return rows.row_local(columns)
 
 
 def paged_columns(local, plan, prefix_width: int):

@@ -215,7 +215,10 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
         # padding: seen + S); the keys here are the new tokens, which are its last S (dynamic) or
         # first S (static, nothing seen yet) columns.
         attention_mask = attention_mask[..., :seq] if cache.static else attention_mask[..., -seq:]
-    if topk is not None:  # as the stock forward folds its top-k (the new tokens are all the keys)
+    if topk is not None and patch.family.topk_mask:  # the top-k is the mask (GLM-5-Next), built as stock builds it
+        attention_mask = attn.build_attention_mask_from_topk(topk_indices=indexer.paged_columns(topk, plan, 0),
+                                                             query_states=query_states, kv_length=seq)
+    elif topk is not None:  # as the stock forward folds its top-k (the new tokens are all the keys)
         attention_mask = indexer.restrict_mask(attention_mask, indexer.paged_columns(topk, plan, 0), plan.real,
                                                hidden_states.dtype)
     attn_output, attn_weights = attend(attn, patch, query_states, key_states, value_states, attention_mask,

@@ -93,12 +93,14 @@ class PagedLayerView(CacheLayerMixin):
 class LatentLayout:
     """One MLA layer's share of an MLAPagedCache: its latent and rotary dims (R = 0: a layer without RoPE dims),
     the layer whose latent pools it reads (itself, unless it attends to an earlier layer's latent KV), and whether
-    it runs a sparse-attention indexer of its own (it then keeps the indexer keys)."""
+    it runs a sparse-attention indexer of its own (it then keeps the indexer keys; a pooled indexer, GLM-5-Next's,
+    keeps each token's key and gate score, 2 x index_head_dim)."""
 
     kv_lora_rank: int
     rope_dim: int
     source: int
     indexer: bool = False
+    pooled_indexer: bool = False
 
 
 class MLAPagedLayer(PagedLayerView):
@@ -155,7 +157,8 @@ class MLAPagedLayer(PagedLayerView):
             self.keys = torch.zeros(num_blocks, c.block_size, 1, self.layout.kv_lora_rank, dtype=dtype, device=device)
             self.values = torch.zeros(num_blocks, c.block_size, 1, self.layout.rope_dim, dtype=dtype, device=device)
         if self.indexed:
-            self.indexer_keys = torch.zeros(num_blocks, c.block_size, 1, c.index_head_dim, dtype=dtype, device=device)
+            width = c.index_head_dim * (2 if self.layout.pooled_indexer else 1)
+            self.indexer_keys = torch.zeros(num_blocks, c.block_size, 1, width, dtype=dtype, device=device)
         self.device = device
         self.is_initialized = True
         if c.static and not torch.compiler.is_compiling():

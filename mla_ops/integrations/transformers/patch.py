@@ -218,10 +218,6 @@ def _attention_patch(family: MlaFamily, options: PatchOptions, release) -> Layer
     if options.q_prolog and family.latent_scales:
         raise ValueError(f"q_prolog=True: {family.name} scales the normed q latent before q_b_proj (q_lora_scale), "
                          f"which mla.q_prolog does not; use q_prolog=False (rope=True routes its RoPE)")
-    if options.cache == "paged" and family.indexer_pooled:
-        raise NotImplementedError(f"cache='paged': {family.name}'s indexer scores keys pooled over blocks of tokens "
-                                  f"(KeyPool), which the paged mode's mla.lightning_indexer over every cached key does "
-                                  f"not; use cache='dense', where the layer's own indexer selects")
     if not options.kv_prolog and family.shared_latent_kv:
         raise ValueError(f"kv_prolog=False: {family.name}'s layers share one latent KV cache, which the patch computes "
                          f"with mla.latent_kv_prolog; pass kv_prolog=True")
