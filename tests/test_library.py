@@ -68,10 +68,11 @@ CONTRACT_SCHEMAS = {
                            "Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
     "mla_decode_attention": "mla::mla_decode_attention(Tensor q_latent, Tensor q_pe, Tensor key_cache, "
                             "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float softmax_scale, "
-                            "Tensor? sinks=None, int sliding_window=0) -> Tensor",
+                            "Tensor? sinks=None, int sliding_window=0, Tensor? q_scale=None) -> Tensor",
     "sparse_mla_attention": "mla::sparse_mla_attention(Tensor q_latent, Tensor q_pe, Tensor key_cache, "
                             "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-                            "Tensor topk_indices, float softmax_scale, Tensor? sinks=None) -> Tensor",
+                            "Tensor topk_indices, float softmax_scale, Tensor? sinks=None, "
+                            "Tensor? q_scale=None) -> Tensor",
 }
 
 

@@ -265,9 +265,9 @@ def lightning_indexer(q, weights, k_cache, block_tables, seq_lens, query_start_l
 
 
 def sparse_mla_attention_reasons(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                 topk_indices, softmax_scale, sinks=None) -> list[str]:
+                                 topk_indices, softmax_scale, sinks=None, q_scale=None) -> list[str]:
     """Why torch_npu.npu_sparse_flash_attention cannot serve this call (shapes and dtypes only)."""
-    reasons = _sink_reasons("sparse flash attention (npu_sparse_flash_attention)", sinks)
+    reasons = _sink_reasons("sparse flash attention (npu_sparse_flash_attention)", sinks, q_scale)
     if q_latent.dtype not in _NPU_FLOATS:
         reasons.append(f"dtype {q_latent.dtype} (torch_npu's sparse flash attention takes float16/bfloat16)")
     if q_latent.shape[2] != _SFA_LATENT or q_pe.shape[2] != _SFA_ROPE:
@@ -284,7 +284,7 @@ def sparse_mla_attention_reasons(q_latent, q_pe, key_cache, value_cache, block_t
 @NPU.kernel("sparse_mla_attention", reasons=sparse_mla_attention_reasons,
             path=lambda *a, **k: "torch_npu.npu_sparse_flash_attention (MLA-absorb, sparse_mode=0)")
 def sparse_mla_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                         topk_indices, softmax_scale, sinks=None):
+                         topk_indices, softmax_scale, sinks=None, q_scale=None):
     """torch_npu.npu_sparse_flash_attention in MLA-absorb mode (attention_mode=2): query = q_latent
     [T, N, 512], query_rope = q_pe [T, N, 64], key = value = key_cache [NB, bs, 1, 512] (the latent),
     key_rope = value_cache [NB, bs, 1, 64] (k_pe) -> o_latent [T, N, 512] in q's dtype.
@@ -428,18 +428,22 @@ _FIA_MAX_BATCH = 65536
 _INT32_ELEMENTS = 2**31 - 1  # "key、value各自对应tensor的shape所有维度相乘不能超过int32的表示范围"
 
 
-def _sink_reasons(kernel: str, sinks) -> list[str]:
-    """Per-head sinks: the documented arguments of the torch_npu kernel bound here have no sink logit."""
-    if sinks is None:
-        return []
-    return [f"sinks (torch_npu's {kernel} documents no per-head sink logit in its MLA form)"]
+def _sink_reasons(kernel: str, sinks, q_scale) -> list[str]:
+    """Per-head sinks and per-row query scales: the documented arguments of the torch_npu kernel bound here take
+    neither (one softmax scale for the call)."""
+    reasons = []
+    if sinks is not None:
+        reasons.append(f"sinks (torch_npu's {kernel} documents no per-head sink logit in its MLA form)")
+    if q_scale is not None:
+        reasons.append(f"q_scale (torch_npu's {kernel} takes one softmax scale per call)")
+    return reasons
 
 
 def mla_decode_attention_reasons(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                 softmax_scale, sinks=None, sliding_window=0) -> list[str]:
+                                 softmax_scale, sinks=None, sliding_window=0, q_scale=None) -> list[str]:
     """Why torch_npu.npu_fused_infer_attention_score_v2 cannot serve this decode call (shapes and
     dtypes only)."""
-    reasons = _sink_reasons("fused infer attention (npu_fused_infer_attention_score_v2)", sinks)
+    reasons = _sink_reasons("fused infer attention (npu_fused_infer_attention_score_v2)", sinks, q_scale)
     if sliding_window:
         reasons.append(f"sliding_window {sliding_window} (this binding masks each sequence by its length only)")
     batch, heads, lora = q_latent.shape
@@ -477,7 +481,7 @@ def mla_decode_attention_reasons(q_latent, q_pe, key_cache, value_cache, block_t
             path=lambda *a, **k: "torch_npu.npu_fused_infer_attention_score_v2 (MLA form, BNSD, page attention "
                                  "over the whole block table, seq_lens as its mask)")
 def mla_decode_attention(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale, sinks=None,
-                         sliding_window=0):
+                         sliding_window=0, q_scale=None):
     """torch_npu.npu_fused_infer_attention_score_v2, MLA form: query = q_latent [B, N, 512] as
     [B, N, 1, 512] ("BNSD"), query_rope = q_pe [B, N, 64] as [B, N, 1, 64], key = value = key_cache
     [NB, bs, 1, 512] viewed [NB, 1, bs, 512] (the latent is both), key_rope = value_cache [NB, bs, 1, 64]

@@ -49,6 +49,28 @@ def check_sinks(op: str, sinks, q: Tensor, q_name: str = "q") -> None:
                  lambda: f"mla.{op}: sinks must be float32 or {q_name}'s dtype {q.dtype}, got {sinks.dtype}")
 
 
+def check_q_scale(op: str, q_scale, q: Tensor, q_name: str = "q_latent") -> None:
+    """q_scale [rows, heads] (fp32 or q's dtype), one query scale per row and head of `q` [rows, heads, dim], or
+    None."""
+    if q_scale is None:
+        return
+    check_float(op, "q_scale", q_scale)
+    check_rank(op, "q_scale", q_scale, 2, "[rows, heads] (one query scale per row and head)")
+    check_size(op, "q_scale", q_scale.shape[0], q.shape[0], f"rows (dim 0) must equal {q_name}'s")
+    check_size(op, "q_scale", q_scale.shape[1], q.shape[1], f"heads (dim 1) must equal {q_name}'s")
+    torch._check(q_scale.dtype in (torch.float32, q.dtype),
+                 lambda: f"mla.{op}: q_scale must be float32 or {q_name}'s dtype {q.dtype}, got {q_scale.dtype}")
+
+
+def row_scales(softmax_scale: float, q_scale, dtype: torch.dtype):
+    """The scale each row's and head's scores are multiplied by: softmax_scale, or the product softmax_scale *
+    q_scale [rows, heads] in `dtype` (fp32 / fp64: the scalar rounded to it first, as the kernels form it) as
+    [rows, heads, 1]."""
+    if q_scale is None:
+        return softmax_scale
+    return (q_scale.to(dtype) * softmax_scale)[:, :, None]
+
+
 def softmax_with_sinks(scores: Tensor, sinks) -> Tensor:
     """softmax over the last dim of `scores` [rows, heads, width] (fp32 / fp64) with one more logit per head,
     `sinks` [heads] (None: a plain softmax), in the denominator only: with M = max(max_j s_j, sink),

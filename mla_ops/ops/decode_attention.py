@@ -17,6 +17,11 @@ M = max(max_t scores[b, n, t], sinks[n]),
 
 A sink of -inf is no sink.
 
+Query scale (optional, `q_scale [B, N]` fp32 or the query dtype): row b's head n scores with softmax_scale *
+q_scale[b, n] (the product formed in fp32), a per-row and per-head query scale such as Mistral-Large-4's
+log-position scale, scale_h * log(p + 1) + bias_h, without a pass over the queries; stock scales q itself in the
+model's dtype, which rounds otherwise.
+
 Sliding window (optional, `sliding_window` W >= 1; 0: none): sequence b attends to its last W cached tokens only,
 positions max(0, seq_lens[b] - W) .. seq_lens[b] - 1 (its current token included), and only their blocks are
 read (blocks before the window may hold anything, ids of freed blocks included): a sliding-window layer's decode
@@ -47,8 +52,10 @@ from .._checks import (
 from .._library import define_op
 from ._paged import (
     check_latent_query_and_caches,
+    check_q_scale,
     check_sinks,
     check_used_block_ids,
+    row_scales,
     softmax_with_sinks,
     validates_on_host,
 )
@@ -59,11 +66,11 @@ OP = "mla_decode_attention"
 # ----------------------------------------------------------------------------------------- checks
 @memo_by_signature
 def check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                softmax_scale: float, sinks=None, sliding_window: int = 0) -> None:
+                                softmax_scale: float, sinks=None, sliding_window: int = 0, q_scale=None) -> None:
     """q_latent [B, N, L], q_pe [B, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache
     [NB, bs, 1, R] (k_pe); block_tables [B, max_blocks]; seq_lens [B] (including the current token);
     softmax_scale a positive normal float32 number (`check_softmax_scale`); sinks [N] (fp32 or
-    q_latent's dtype) or None; sliding_window >= 0."""
+    q_latent's dtype) or None; sliding_window >= 0; q_scale [B, N] (fp32 or q_latent's dtype) or None."""
     check_softmax_scale(OP, softmax_scale, " (e.g. qk_head_dim ** -0.5)")
     torch._check(sliding_window >= 0, lambda: f"mla.{OP}: sliding_window must be >= 0 (0: every cached token; W >= 1: "
                  f"the last W, the current one included), got {sliding_window}")
@@ -75,9 +82,10 @@ def check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_ta
     check_rank(OP, "seq_lens", seq_lens, 1, "[batch]")
     check_size(OP, "seq_lens", seq_lens.shape[0], q_latent.shape[0], "length must equal the batch size")
     check_sinks(OP, sinks, q_latent, "q_latent")
+    check_q_scale(OP, q_scale, q_latent)
     check_same_device(OP, {"q_latent": q_latent, "q_pe": q_pe, "key_cache": key_cache,
                            "value_cache": value_cache, "block_tables": block_tables, "seq_lens": seq_lens,
-                           "sinks": sinks})
+                           "sinks": sinks, "q_scale": q_scale})
 
 
 def check_decode_values(block_tables: Tensor, seq_lens: Tensor, num_blocks: int, block_size: int,
@@ -105,9 +113,9 @@ def check_decode_values(block_tables: Tensor, seq_lens: Tensor, num_blocks: int,
 
 
 def _mla_decode_attention_fake(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
-                               sinks=None, sliding_window=0):
+                               sinks=None, sliding_window=0, q_scale=None):
     check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale, sinks,
-                                sliding_window)
+                                sliding_window, q_scale)
     return q_latent.new_empty(q_latent.shape)
 
 
@@ -165,7 +173,8 @@ def _strided_context(cache: Tensor, block_ids: Tensor):
 
 def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_lens: Tensor,
             softmax_scale: float, mask: bool, out_len: Optional[int] = None,
-            attended: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tensor:
+            attended: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+            q_scale: Optional[Tensor] = None) -> Tensor:
     """Scores over the gathered context [B, T, L] / [B, T, R] -> o_latent [B, N, L]. With `mask`,
     positions at or past a row's length are not attended (or, when given, those where `attended`
     [B, T] bool is False), and a row with no position left (seq_lens <= 0: a padding row of a
@@ -177,11 +186,11 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
     whole-block width, because ATen's CPU bf16 GEMM is ~60x slower when that width is not a
     multiple of the block (measured 14 ms vs 0.23 ms at 2000 vs 2048 positions), while the output
     GEMM is not (it reduces over the positions). `sinks` [N]: one more logit per head in the softmax
-    denominator (`softmax_with_sinks`)."""
+    denominator (`softmax_with_sinks`); `q_scale` [B, N]: each row's and head's factor on softmax_scale."""
     score_dtype = torch.promote_types(q_latent.dtype, torch.float32)  # fp32; fp64 stays fp64
     scores = torch.bmm(q_latent, latent.transpose(1, 2)).to(score_dtype)  # [B, N, T]
     scores += torch.bmm(q_pe, k_pe.transpose(1, 2)).to(score_dtype)
-    scores *= softmax_scale
+    scores *= row_scales(softmax_scale, q_scale, score_dtype)
     if mask:
         if attended is None:
             positions = torch.arange(latent.shape[1], device=latent.device)
@@ -197,7 +206,8 @@ def _attend(q_latent: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, seq_le
 
 def decode_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                       block_tables: Tensor, seq_lens: Tensor, softmax_scale: float,
-                      sinks: Optional[Tensor] = None, sliding_window: int = 0) -> Tensor:
+                      sinks: Optional[Tensor] = None, sliding_window: int = 0,
+                      q_scale: Optional[Tensor] = None) -> Tensor:
     """Device path (CUDA, ...): no host sync, so graph-capturable. The whole table width is gathered
     (a static shape), ids are clamped into the pool so nothing is read out of bounds whatever the
     values, and every row is masked to its length (ids past it are never attended). A position
@@ -219,23 +229,25 @@ def decode_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_ca
     if sliding_window:
         attended &= positions[None, :] >= seq_lens.long()[:, None] - sliding_window
     latent.masked_fill_(~attended[:, :, None], 0)
-    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask=True, attended=attended, sinks=sinks)
+    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask=True, attended=attended, sinks=sinks,
+                   q_scale=q_scale)
 
 
 def mla_decode_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                                    block_tables: Tensor, seq_lens: Tensor, softmax_scale: float,
-                                   sinks: Optional[Tensor] = None, sliding_window: int = 0) -> Tensor:
+                                   sinks: Optional[Tensor] = None, sliding_window: int = 0,
+                                   q_scale: Optional[Tensor] = None) -> Tensor:
     """-> o_latent [B, N, L] in q_latent's dtype."""
     if key_cache.device.type != "cpu":
         return decode_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
-                                sinks, sliding_window)
+                                sinks, sliding_window, q_scale)
     batch = q_latent.shape[0]
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     # Only the blocks the longest sequence uses (host-known on CPU, and validated).
     longest = check_decode_values(block_tables, seq_lens, num_blocks, block_size, sliding_window)
     if sliding_window and longest > sliding_window:  # blocks before a window may hold anything: masked, zeroed
         return decode_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
-                                sinks, sliding_window)
+                                sinks, sliding_window, q_scale)
     blocks = math.ceil(longest / block_size)
     if batch == 0 or blocks == 0:
         return q_latent.new_zeros(q_latent.shape)
@@ -259,12 +271,14 @@ def mla_decode_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Te
     # Positions past the longest row (the tail of its last block, possibly a view of the pool) are
     # masked in the scores and left out of the output GEMM.
     mask = ragged or longest != latent.shape[1]
-    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask, out_len=longest, sinks=sinks)
+    return _attend(q_latent, q_pe, latent, k_pe, seq_lens, softmax_scale, mask, out_len=longest, sinks=sinks,
+                   q_scale=q_scale)
 
 
 MLA_DECODE_ATTENTION = define_op(
     "mla_decode_attention(Tensor q_latent, Tensor q_pe, Tensor key_cache, Tensor value_cache, "
-    "Tensor block_tables, Tensor seq_lens, float softmax_scale, Tensor? sinks=None, int sliding_window=0) -> Tensor",
+    "Tensor block_tables, Tensor seq_lens, float softmax_scale, Tensor? sinks=None, int sliding_window=0, "
+    "Tensor? q_scale=None) -> Tensor",
     check=check_decode_attention_args, fake=_mla_decode_attention_fake, reference=mla_decode_attention_reference,
 )
 
@@ -272,8 +286,8 @@ MLA_DECODE_ATTENTION = define_op(
 # ---------------------------------------------------------------------------------- public wrapper
 def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                          block_tables: Tensor, seq_lens: Tensor, softmax_scale: float,
-                         sinks: Optional[Tensor] = None, sliding_window: int = 0, *,
-                         validate: bool = False) -> Tensor:
+                         sinks: Optional[Tensor] = None, sliding_window: int = 0, q_scale: Optional[Tensor] = None,
+                         *, validate: bool = False) -> Tensor:
     """Absorbed MQA decode over the paged latent cache: one query token per sequence.
 
     Args:
@@ -286,6 +300,7 @@ def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
         softmax_scale: the attention scale (DeepSeek-V2: qk_head_dim**-0.5 times the YaRN mscale squared).
         sinks: `[N]` per-head sink logits (fp32 or q_latent's dtype) in the softmax denominator, or None.
         sliding_window: W >= 1 attends to each sequence's last W cached tokens only (0: all of them).
+        q_scale: `[B, N]` a factor on softmax_scale per row and head (fp32 or q_latent's dtype), or None.
         validate: check seq_lens / block ids on non-CPU devices (CPU always checks).
     Returns:
         `o_latent [B, N, L]` = softmax(scale * (q_latent·latent + q_pe·k_pe), sinks) · latent, to be
@@ -293,7 +308,7 @@ def mla_decode_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
     """
     if validates_on_host(validate, key_cache):
         check_decode_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
-                                    sinks, sliding_window)
+                                    sinks, sliding_window, q_scale)
         check_decode_values(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1], sliding_window)
     return torch.ops.mla.mla_decode_attention.default(q_latent, q_pe, key_cache, value_cache, block_tables,
-                                                      seq_lens, softmax_scale, sinks, sliding_window)
+                                                      seq_lens, softmax_scale, sinks, sliding_window, q_scale)

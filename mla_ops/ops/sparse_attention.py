@@ -17,8 +17,10 @@ Indices are request-local positions plus a block table, torch_npu's convention
     sparse out[t, n]     = softmax_{j in idx[t]}(scale * (q_latent[t, n] . latent[j] + q_pe[t, n] . k_pe[j]))
                            . latent[idx[t]]
 
-With `sinks [N]` the softmax of the attention has one more logit per head in its denominator, as
-`mla.mla_decode_attention` takes it (HY-V4's sparse layers: DeepSeek Sparse Attention with sinks).
+With `sinks [N]` the softmax of the attention has one more logit per head in its denominator, and with
+`q_scale [T, N]` each token's head scores with softmax_scale * q_scale[t, n], as `mla.mla_decode_attention`
+takes them (HY-V4's sparse layers: DeepSeek Sparse Attention with sinks; Mistral-Large-4's: a per-head
+log-position query scale).
 
 What the indexer keeps of the DeepSeek-V3.2 reference pipeline (`inference/model.py` of
 deepseek-ai/DeepSeek-V3.2-Exp): the scores themselves. Its Hadamard rotation of q and k is
@@ -58,8 +60,10 @@ from .._checks import (
 from .._library import define_op
 from ._paged import (
     check_latent_query_and_caches,
+    check_q_scale,
     check_sinks,
     check_used_block_ids,
+    row_scales,
     softmax_with_sinks,
     validates_on_host,
 )
@@ -125,10 +129,10 @@ def check_lightning_indexer_args(q, weights, k_cache, block_tables, seq_lens, qu
 
 @memo_by_signature
 def check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                    topk_indices, softmax_scale: float, sinks=None) -> None:
+                                    topk_indices, softmax_scale: float, sinks=None, q_scale=None) -> None:
     """q_latent [T, N, L], q_pe [T, N, R]; key_cache [NB, bs, 1, L] (latent), value_cache [NB, bs, 1, R]
     (k_pe); the request tensors; topk_indices [T, K] int32/int64; softmax_scale as for the indexer;
-    sinks [N] (fp32 or q_latent's dtype) or None."""
+    sinks [N] and q_scale [T, N] (fp32 or q_latent's dtype) or None."""
     op = SPARSE
     check_softmax_scale(op, softmax_scale)
     check_latent_query_and_caches(op, "tokens", q_latent, q_pe, key_cache, value_cache)
@@ -137,9 +141,10 @@ def check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, bloc
     check_rank(op, "topk_indices", topk_indices, 2, "[tokens, topk] (request-local positions, -1 = none)")
     check_size(op, "topk_indices", topk_indices.shape[0], q_latent.shape[0], "tokens (dim 0) must equal q_latent's")
     check_sinks(op, sinks, q_latent, "q_latent")
+    check_q_scale(op, q_scale, q_latent)
     check_same_device(op, {"q_latent": q_latent, "q_pe": q_pe, "key_cache": key_cache, "value_cache": value_cache,
                            "block_tables": block_tables, "seq_lens": seq_lens, "query_start_loc": query_start_loc,
-                           "topk_indices": topk_indices, "sinks": sinks})
+                           "topk_indices": topk_indices, "sinks": sinks, "q_scale": q_scale})
 
 
 def check_starts(op: str, name: str, starts: list[int], total: int, counted: str) -> None:
@@ -210,9 +215,9 @@ def _lightning_indexer_fake(q, weights, k_cache, block_tables, seq_lens, query_s
 
 
 def _sparse_mla_attention_fake(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                               topk_indices, softmax_scale, sinks=None):
+                               topk_indices, softmax_scale, sinks=None, q_scale=None):
     check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                    topk_indices, softmax_scale, sinks)
+                                    topk_indices, softmax_scale, sinks, q_scale)
     return q_latent.new_empty(q_latent.shape)
 
 
@@ -299,20 +304,20 @@ def lightning_indexer_sync_free(q: Tensor, weights: Tensor, k_cache: Tensor, blo
 def sparse_mla_attention_reference(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                                    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                                    topk_indices: Tensor, softmax_scale: float,
-                                   sinks: Optional[Tensor] = None) -> Tensor:
+                                   sinks: Optional[Tensor] = None, q_scale: Optional[Tensor] = None) -> Tensor:
     """-> o_latent [T, N, L] in q_latent's dtype. The CPU value checks, then `sparse_mla_attention_sync_free`."""
     if key_cache.device.type == "cpu":
         requests = check_request_values(SPARSE, q_latent.shape[0], block_tables, seq_lens, query_start_loc,
                                         key_cache.shape[0], key_cache.shape[1])
         check_index_values(topk_indices, requests)
     return sparse_mla_attention_sync_free(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                          query_start_loc, topk_indices, softmax_scale, sinks)
+                                          query_start_loc, topk_indices, softmax_scale, sinks, q_scale)
 
 
 def sparse_mla_attention_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                                    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                                    topk_indices: Tensor, softmax_scale: float,
-                                   sinks: Optional[Tensor] = None) -> Tensor:
+                                   sinks: Optional[Tensor] = None, q_scale: Optional[Tensor] = None) -> Tensor:
     """The reference sparse attention's device path, no host sync and no value check: an index that is
     not a cached position of its request (or whose block id is outside the pool, or a table without
     columns) attends to nothing, like -1; nothing is read out of bounds whatever the values."""
@@ -339,7 +344,7 @@ def sparse_mla_attention_sync_free(q_latent: Tensor, q_pe: Tensor, key_cache: Te
         latent.masked_fill_(~valid[:, :, None], 0)
         scores = torch.bmm(q_latent[rows].to(score_dtype), latent.transpose(1, 2))  # [t, N, K]
         scores += torch.bmm(q_pe[rows].to(score_dtype), k_pe.transpose(1, 2))
-        scores *= softmax_scale
+        scores *= row_scales(softmax_scale, None if q_scale is None else q_scale[rows], score_dtype)
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
         probs = softmax_with_sinks(scores, sinks)
         probs.masked_fill_(~valid.any(dim=1)[:, None, None], 0.0)  # nothing listed: zeros, not NaN
@@ -356,7 +361,8 @@ LIGHTNING_INDEXER = define_op(
 )
 SPARSE_MLA_ATTENTION = define_op(
     "sparse_mla_attention(Tensor q_latent, Tensor q_pe, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-    "Tensor seq_lens, Tensor query_start_loc, Tensor topk_indices, float softmax_scale, Tensor? sinks=None) -> Tensor",
+    "Tensor seq_lens, Tensor query_start_loc, Tensor topk_indices, float softmax_scale, Tensor? sinks=None, "
+    "Tensor? q_scale=None) -> Tensor",
     check=check_sparse_mla_attention_args, fake=_sparse_mla_attention_fake, reference=sparse_mla_attention_reference,
 )
 
@@ -397,7 +403,7 @@ def lightning_indexer(q: Tensor, weights: Tensor, k_cache: Tensor, block_tables:
 
 def sparse_mla_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, value_cache: Tensor,
                          block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, topk_indices: Tensor,
-                         softmax_scale: float, sinks: Optional[Tensor] = None, *,
+                         softmax_scale: float, sinks: Optional[Tensor] = None, q_scale: Optional[Tensor] = None, *,
                          validate: bool = False) -> Tensor:
     """Absorbed MQA attention of each query token over its own list of cached positions.
 
@@ -410,18 +416,19 @@ def sparse_mla_attention(q_latent: Tensor, q_pe: Tensor, key_cache: Tensor, valu
             a position listed twice is attended twice.
         softmax_scale: the attention scale, a positive normal float32 number.
         sinks: `[N]` per-head sink logits (fp32 or q_latent's dtype) in the softmax denominator, or None.
+        q_scale: `[T, N]` a factor on softmax_scale per token and head (fp32 or q_latent's dtype), or None.
         validate: check the index values on non-CPU devices (CPU always checks).
     Returns:
         `o_latent [T, N, L]` (zeros for a token with no position listed), to be multiplied by W_UV.
     """
     if validates_on_host(validate, key_cache):
         check_sparse_mla_attention_args(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                        query_start_loc, topk_indices, softmax_scale, sinks)
+                                        query_start_loc, topk_indices, softmax_scale, sinks, q_scale)
         requests = check_request_values(SPARSE, q_latent.shape[0], block_tables, seq_lens, query_start_loc,
                                         key_cache.shape[0], key_cache.shape[1])
         check_index_values(topk_indices.cpu(), requests)
     return torch.ops.mla.sparse_mla_attention.default(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens,
-                                                      query_start_loc, topk_indices, softmax_scale, sinks)
+                                                      query_start_loc, topk_indices, softmax_scale, sinks, q_scale)
 
 
 TO_GLOBAL_SLOTS = "to_global_slots"

@@ -689,6 +689,29 @@ def _with_sinks(sample: Sample, name: str, sink_dtype, seed: int) -> Sample:
     return Sample(name, (*sample.args, _randn(heads, dtype=sink_dtype, seed=seed, scale=1.5)))
 
 
+def _with_q_scale(sample: Sample, name: str, scale_dtype, seed: int) -> Sample:
+    """`sample` of an absorbed attention op (q_latent [rows, N, L] first, sinks next to last) with a query scale
+    [rows, N] appended: factors around 1, some negative (a learned scale_h * log(p + 1) + bias_h may be), which
+    turn the scores' order around."""
+    rows, heads = sample.args[0].shape[:2]
+    scale = (1 + 0.8 * _randn(rows, heads, dtype=torch.float32, seed=seed)).to(scale_dtype)
+    return Sample(name, (*sample.args, scale))
+
+
+def _q_scale_errors(op: str, call, rows: int, heads: int):
+    """The q_scale argument's metadata errors, for ops whose q_latent (float32 in the error bases) is
+    [rows, heads, L]."""
+    return [
+        ErrorInput("q_scale-heads", call(q_scale=torch.ones(rows, heads + 1)), "q_scale",
+                   rf"{op}: q_scale heads \(dim 1\) must equal q_latent's"),
+        ErrorInput("q_scale-rows", call(q_scale=torch.ones(rows + 1, heads)), "q_scale",
+                   rf"{op}: q_scale rows \(dim 0\) must equal q_latent's"),
+        ErrorInput("q_scale-rank", call(q_scale=torch.ones(rows * heads)), "q_scale", rf"{op}: q_scale must be 2-D"),
+        ErrorInput("q_scale-other-half-dtype", call(q_scale=torch.ones(rows, heads).half()), "q_scale",
+                   rf"{op}: q_scale must be float32 or q_latent's dtype torch.float32, got torch.float16"),
+    ]
+
+
 def _sink_errors(op: str, call, heads: int, q_name: str):
     """The sinks argument's metadata errors, for ops whose q (`q_name`, float32 in the error bases) has `heads`."""
     return [
@@ -719,16 +742,21 @@ def _decode_samples(dtype):
         _windowed(_decode_sample("", d, dtype, 4, [5, 1, 12, 9], seed=40), "sliding-window-freed-blocks", 6),
         _windowed(_with_sinks(_decode_sample("", LITE, dtype, 16, [300, 40], seed=44), "", torch.float32, seed=48),
                   "v2lite-window-128-sinks", 128),
+        _with_q_scale(_windowed(_decode_sample("", d, dtype, 4, [5, 1, 12], seed=50), "", 0), "q-scale-ragged",
+                      torch.float32, seed=54),
+        _with_q_scale(_windowed(_with_sinks(_decode_sample("", LITE, dtype, 64, [300, 17], seed=56), "", dtype,
+                                            seed=58), "", 0), "v2lite-q-scale-sinks-activation-dtype", dtype, seed=60),
     ]
 
 
 def _windowed(sample: Sample, name: str, window: int) -> Sample:
-    """A decode `sample` (sinks appended or not) attending to each sequence's last `window` tokens: sinks None where
-    the sample has none, and the block-table entries wholly before a window set to -1, as freed blocks are."""
+    """A decode `sample` (sinks appended or not) attending to each sequence's last `window` tokens (0: all of them):
+    sinks None where the sample has none, and the block-table entries wholly before a window set to -1, as freed
+    blocks are."""
     q_latent, q_pe, kc, vc, tables, seq_lens, scale, *sinks = sample.args
     block_size = kc.shape[1]
     tables = tables.clone()
-    for b, n in enumerate(seq_lens.tolist()):
+    for b, n in enumerate(seq_lens.tolist() if window else ()):
         tables[b, : max(0, n - window) // block_size] = -1
     return Sample(name, (q_latent, q_pe, kc, vc, tables, seq_lens, scale, sinks[0] if sinks else None, window))
 
@@ -775,6 +803,7 @@ def _decode_errors():
         ErrorInput("sliding_window-negative", call(sinks=None, sliding_window=-1), "sliding_window",
                    rf"{op}: sliding_window must be >= 0"),
         # a window reads its own blocks only: a bad id there is refused, one before it is never read
+        *_q_scale_errors(op, lambda **c: call(sinks=None, sliding_window=0, **c), 2, 3),
         ErrorInput("window-block-id", call(sinks=None, sliding_window=1,
                                            block_tables=torch.tensor([[-1, 7], [0, 2]], dtype=torch.int32)),
                    "block_tables", r"block_tables\[0, 1\] = 7 is used by sequence 0 but is not a block id in \[0, 6\)",
@@ -993,6 +1022,10 @@ def _sparse_samples(dtype):
                     seed=26),
         _with_sinks(_sparse_sample("", d, dtype, [6, 3], [2, 1], topk=4, block_size=1, seed=28),
                     "block-size-1-sinks-activation-dtype", dtype, seed=34),
+        _with_q_scale(_with_sinks(_sparse_sample("", d, dtype, *mixed, topk=5, seed=36), "", torch.float32, seed=38),
+                      "prefill-decode-chunk-q-scale-sinks", torch.float32, seed=40),
+        _with_q_scale(Sample("", (*_sparse_sample("", d, dtype, [6, 3], [2, 1], topk=4, seed=42).args, None)),
+                      "q-scale-activation-dtype", dtype, seed=44),
     ]
 
 
@@ -1031,6 +1064,7 @@ def _sparse_errors():
                    "topk_indices", r"topk_indices\[1, 0\] = 9223372036854775807 is not a position of request 1",
                    ValueError),
         *_sink_errors(op, call, 2, "q_latent"),
+        *_q_scale_errors(op, lambda **c: call(sinks=None, **c), 3, 2),
     ]
 
 

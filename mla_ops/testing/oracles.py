@@ -157,11 +157,12 @@ def _sink_softmax(scores: Tensor, sinks) -> Tensor:
 
 
 def mla_decode_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, softmax_scale,
-                                sinks=None, sliding_window=0):
+                                sinks=None, sliding_window=0, q_scale=None):
     """-> (o_latent [B, N, L],): per sequence, softmax(scale * (q_latent latent^T + q_pe k_pe^T)) latent
     over its first seq_lens[b] cached tokens (the last `sliding_window` of them when it is >= 1), the latent
     and k_pe read token by token from the pool; with `sinks` [N] each head's sink logit joins its
-    denominator (`_sink_softmax`)."""
+    denominator (`_sink_softmax`); with `q_scale` [B, N] head n's scores of row b are also multiplied by
+    q_scale[b, n]."""
     block_size = key_cache.shape[1]
     out = torch.zeros(q_latent.shape, dtype=torch.float64)
     for b in range(q_latent.shape[0]):
@@ -171,6 +172,8 @@ def mla_decode_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_ta
         latent = torch.stack([_f64(key_cache[i, o, 0]) for i, o in slots])
         k_pe = torch.stack([_f64(value_cache[i, o, 0]) for i, o in slots])
         scores = (_f64(q_latent[b]) @ latent.t() + _f64(q_pe[b]) @ k_pe.t()) * softmax_scale
+        if q_scale is not None:
+            scores = scores * _f64(q_scale[b])[:, None]
         out[b] = _sink_softmax(scores, sinks) @ latent
     return (out,)
 
@@ -221,10 +224,11 @@ def lightning_indexer_oracle(q, weights, k_cache, block_tables, seq_lens, query_
 
 
 def sparse_mla_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                topk_indices, softmax_scale, sinks=None):
+                                topk_indices, softmax_scale, sinks=None, q_scale=None):
     """-> (o_latent [T, N, L],): per query token, softmax(scale * (q_latent latent^T + q_pe k_pe^T)) latent
     over the positions it lists (a position listed twice counts twice; -1 skipped), zeros when it lists none;
-    with `sinks` [N] each head's sink logit joins its denominator (`_sink_softmax`).
+    with `sinks` [N] each head's sink logit joins its denominator (`_sink_softmax`), with `q_scale` [T, N] head n's
+    scores of token t are also multiplied by q_scale[t, n].
     An entry that is no cached position of its request (values only the unchecked device paths take) is
     skipped like -1."""
     out = torch.zeros(q_latent.shape, dtype=torch.float64)
@@ -235,6 +239,8 @@ def sparse_mla_attention_oracle(q_latent, q_pe, key_cache, value_cache, block_ta
         latent = torch.stack([_cached_row(key_cache, block_tables, b, j) for j in listed])
         k_pe = torch.stack([_cached_row(value_cache, block_tables, b, j) for j in listed])
         scores = (_f64(q_latent[t]) @ latent.t() + _f64(q_pe[t]) @ k_pe.t()) * softmax_scale
+        if q_scale is not None:
+            scores = scores * _f64(q_scale[t])[:, None]
         out[t] = _sink_softmax(scores, sinks) @ latent
     return (out,)
 

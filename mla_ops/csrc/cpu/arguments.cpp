@@ -257,11 +257,23 @@ void check_sinks(std::string_view op, const std::optional<at::Tensor>& sinks, co
               "sinks must be float32 or ", q_name, "'s dtype ", py_dtype(q), ", got ", py_dtype(*sinks));
 }
 
+// mla_ops/ops/_paged.py: check_q_scale
+void check_q_scale(std::string_view op, const std::optional<at::Tensor>& q_scale, const at::Tensor& q) {
+  if (!q_scale.has_value()) return;
+  check_float(op, "q_scale", *q_scale);
+  check_rank(op, "q_scale", *q_scale, 2, "[rows, heads] (one query scale per row and head)");
+  check_size(op, "q_scale", q_scale->size(0), q.size(0), "rows (dim 0) must equal q_latent's");
+  check_size(op, "q_scale", q_scale->size(1), q.size(1), "heads (dim 1) must equal q_latent's");
+  TORCH_CHECK(q_scale->scalar_type() == at::kFloat || q_scale->scalar_type() == q.scalar_type(), prefix(op),
+              "q_scale must be float32 or q_latent's dtype ", py_dtype(q), ", got ", py_dtype(*q_scale));
+}
+
 // mla_ops/ops/decode_attention.py: check_decode_attention_args
 void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double softmax_scale,
-                                 const std::optional<at::Tensor>& sinks, int64_t sliding_window) {
+                                 const std::optional<at::Tensor>& sinks, int64_t sliding_window,
+                                 const std::optional<at::Tensor>& q_scale) {
   constexpr std::string_view op = "mla_decode_attention";
   check_softmax_scale(op, softmax_scale, " (e.g. qk_head_dim ** -0.5)");
   TORCH_CHECK(sliding_window >= 0, prefix(op), "sliding_window must be >= 0 (0: every cached token; W >= 1: the last "
@@ -274,13 +286,15 @@ void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q
   check_rank(op, "seq_lens", seq_lens, 1, "[batch]");
   check_size(op, "seq_lens", seq_lens.size(0), q_latent.size(0), "length must equal the batch size");
   check_sinks(op, sinks, q_latent, "q_latent");
+  check_q_scale(op, q_scale, q_latent);
   check_same_device(op, {{"q_latent", &q_latent},
                          {"q_pe", &q_pe},
                          {"key_cache", &key_cache},
                          {"value_cache", &value_cache},
                          {"block_tables", &block_tables},
                          {"seq_lens", &seq_lens},
-                         {"sinks", optional(sinks)}});
+                         {"sinks", optional(sinks)},
+                         {"q_scale", optional(q_scale)}});
 }
 
 // mla_ops/ops/kv_prolog.py: check_latent_kv_prolog_args
@@ -391,7 +405,7 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                      const at::Tensor& topk_indices, double softmax_scale,
-                                     const std::optional<at::Tensor>& sinks) {
+                                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& q_scale) {
   constexpr std::string_view op = "sparse_mla_attention";
   check_softmax_scale(op, softmax_scale);
   check_latent_query_and_caches(op, "tokens", q_latent, q_pe, key_cache, value_cache);
@@ -400,6 +414,7 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
   check_rank(op, "topk_indices", topk_indices, 2, "[tokens, topk] (request-local positions, -1 = none)");
   check_size(op, "topk_indices", topk_indices.size(0), q_latent.size(0), "tokens (dim 0) must equal q_latent's");
   check_sinks(op, sinks, q_latent, "q_latent");
+  check_q_scale(op, q_scale, q_latent);
   check_same_device(op, {{"q_latent", &q_latent},
                          {"q_pe", &q_pe},
                          {"key_cache", &key_cache},
@@ -408,7 +423,8 @@ void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tenso
                          {"seq_lens", &seq_lens},
                          {"query_start_loc", &query_start_loc},
                          {"topk_indices", &topk_indices},
-                         {"sinks", optional(sinks)}});
+                         {"sinks", optional(sinks)},
+                         {"q_scale", optional(q_scale)}});
 }
 
 // mla_ops/ops/mla_prefill_attention.py: check_mla_prefill_attention_args

@@ -14,12 +14,13 @@ namespace mla_native {
 void check_decode_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double softmax_scale,
-                                 const std::optional<at::Tensor>& sinks, int64_t sliding_window);
+                                 const std::optional<at::Tensor>& sinks, int64_t sliding_window,
+                                 const std::optional<at::Tensor>& q_scale);
 void check_sparse_mla_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                      const at::Tensor& topk_indices, double softmax_scale,
-                                     const std::optional<at::Tensor>& sinks);
+                                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& q_scale);
 void check_mla_prefill_attention_args(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                       const at::Tensor& value_cache, const at::Tensor& block_tables,
                                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc,

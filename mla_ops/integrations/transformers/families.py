@@ -41,7 +41,8 @@ each marked by one name the forward uses:
   stock forward rounds it is read off its code (`output_gate_rounding`);
 * `get_llama_4_attn_scale`: Mistral-4's position-dependent query scale;
 * `softmax_scaling`: Mistral-Large-4's per-head log-position query scale, scale_h * log(pos + 1) + bias_h (the
-  layer's own module, applied after RoPE as stock applies it);
+  layer's own module, applied after RoPE as stock applies it); a paged decode step hands either scale to the
+  decode / sparse attention op as its `q_scale` instead of scaling q;
 * `use_rope`: RoPE in some layers only; a NoPE layer (Mistral-Large-4) has no rotary dims at all;
 * `is_kv_shared_layer`: a latent KV cache shared across layers (Mistral-Large-4's `kv_source_layers`): a layer
   attends to an earlier layer's cached latent and k_pe through its own kv_b_proj, handed on in the forward's

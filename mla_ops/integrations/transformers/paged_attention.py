@@ -87,22 +87,25 @@ def _absorbed_weights(attn):
     return cached[2], cached[3]
 
 
-def absorbed_decode_step(attn, layer: "MLAPagedLayer", plan: "ForwardPlan", q_nope, q_pe, topk=None, window: int = 0):
+def absorbed_decode_step(attn, layer: "MLAPagedLayer", plan: "ForwardPlan", q_nope, q_pe, topk=None, window: int = 0,
+                         q_scale=None):
     """One token per row: o = ((softmax(q_lat·latent + q_pe·k_pe, sinks) · latent) @ W_UV) -> [B, 1, N*V], over
     every cached token (mla.mla_decode_attention; its last `window` ones with a sliding window) or, sparse
-    attention, over the row-local positions `topk` [B, 1, K] (mla.sparse_mla_attention; -1 = none)."""
+    attention, over the row-local positions `topk` [B, 1, K] (mla.sparse_mla_attention; -1 = none). `q_scale`
+    [B, N]: the query scale per row and head (the family's position-dependent one), the ops' own option."""
     w_uk, w_uv_t = _absorbed_weights(attn)
     batch = q_nope.shape[0]
     sinks = getattr(attn, "sinks", None)  # per-head sink logits [N] (HY-V4), in each softmax denominator
     q_latent = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_uk).transpose(0, 1)  # [B, N, L]
     if topk is None:
         o_latent = torch.ops.mla.mla_decode_attention(q_latent, q_pe[:, :, 0], layer.latent_pool, layer.k_pe_pool,
-                                                      plan.block_tables, plan.seq_lens, attn.scaling, sinks, window)
+                                                      plan.block_tables, plan.seq_lens, attn.scaling, sinks, window,
+                                                      q_scale)
     else:  # one query token per request
         starts = torch.arange(batch + 1, dtype=plan.seq_lens.dtype, device=q_latent.device)
         o_latent = torch.ops.mla.sparse_mla_attention(q_latent, q_pe[:, :, 0], layer.latent_pool, layer.k_pe_pool,
                                                       plan.block_tables, plan.seq_lens, starts, topk[:, 0],
-                                                      attn.scaling, sinks)
+                                                      attn.scaling, sinks, q_scale)
     out = torch.bmm(o_latent.transpose(0, 1), w_uv_t)  # [N, B, V]
     return out.transpose(0, 1).reshape(batch, 1, -1)
 
@@ -190,7 +193,12 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
     q_lora = shared_query_lora(attn, patch, hidden_states)
     # the paged path runs on the ops
     q_nope, q_pe, gate = query(attn, patch, hidden_states, rot, rope_op=True, q_lora=q_lora)
-    if patch.family.query_position_scale or patch.family.query_log_position_scale:
+    q_scale = None
+    if (patch.family.query_position_scale or patch.family.query_log_position_scale) and seq == 1:
+        # the decode hands the factor per row and head to the op (its q_scale) instead of scaling q
+        ones = q_nope.new_ones(batch, q_nope.shape[1], 1, 1)
+        q_scale = scale_query(attn, patch, ones, inputs.position_ids)[:, :, 0, 0]
+    elif patch.family.query_position_scale or patch.family.query_log_position_scale:
         q_nope = scale_query(attn, patch, q_nope, inputs.position_ids)
         q_pe = scale_query(attn, patch, q_pe, inputs.position_ids)
     topk = indexer.paged_selection(attn, patch, hidden_states, q_lora, inputs, layer, plan) \
@@ -199,7 +207,7 @@ def paged_attention_forward(attn, patch, hidden_states, inputs):
     if window is not None and topk is not None:
         raise NotImplementedError(f"{patch.family.name}: a layer with both a sliding window and an indexer")
     if seq == 1:
-        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe, topk, window or 0)
+        attn_output = absorbed_decode_step(attn, layer, plan, q_nope, q_pe, topk, window or 0, q_scale)
         return sparse_result(patch, project_output(attn, patch, attn_output, hidden_states, gate), None, topk)
     query_states = torch.cat((q_nope, q_pe), dim=-1)
     if plan.has_prefix:

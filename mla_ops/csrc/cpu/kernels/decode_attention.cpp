@@ -1089,22 +1089,21 @@ struct Pools {
 };
 
 // What a call adds to plain attention: per-head sink logits in the softmax denominator, fp32 [N] (none:
-// nullptr), and the fp32 weights of Geometry::split_probs.
+// nullptr), the fp32 weights of Geometry::split_probs, and a factor on the softmax scale per query row and head,
+// fp32 [rows, N] (none: nullptr).
 struct AttentionExtras {
   const float* sinks = nullptr;
   bool split_probs = false;
+  const float* q_scale = nullptr;
 };
 
-// An op's optional sinks [N] as the fp32 logits AttentionExtras points at (kept alive with the call).
-class SinkLogits {
+// An op's optional tensor argument (sinks, q_scale) as the contiguous fp32 values AttentionExtras points at,
+// kept alive with the call; nullptr when absent.
+class Fp32Values {
  public:
-  explicit SinkLogits(const std::optional<at::Tensor>& sinks)
-      : fp32_(sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor()) {}
-  AttentionExtras extras() const {
-    AttentionExtras extras;
-    extras.sinks = fp32_.defined() ? fp32_.const_data_ptr<float>() : nullptr;
-    return extras;
-  }
+  explicit Fp32Values(const std::optional<at::Tensor>& t)
+      : fp32_(t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor()) {}
+  const float* data() const { return fp32_.defined() ? fp32_.const_data_ptr<float>() : nullptr; }
 
  private:
   at::Tensor fp32_;
@@ -1125,10 +1124,10 @@ inline float next_max(float m, float tile_max) { return std::isnan(tile_max) ? t
 // scores so far are all -inf), and updates the running maxima m and sums l. alpha[n] receives the
 // factor head n's accumulator is to be multiplied by; returns whether any accumulated head has one
 // other than 1.
-inline bool lane_softmax(float* st, int64_t nt, int64_t np, float scale, float* m, float* l, float* alpha) {
+inline bool lane_softmax(float* st, int64_t nt, int64_t np, const float* scale, float* m, float* l, float* alpha) {
   constexpr int64_t W = fVec::size();
-  const fVec sv(scale);
   for (int64_t v = 0; v < np; v += W) {
+    const fVec sv = fVec::loadu(scale + v);  // each head's scale (lanes: heads)
     fVec mx(kNegInf);
     for (int64_t t = 0; t < nt; ++t) {
       float* s = st + t * np + v;
@@ -1291,14 +1290,17 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor* q_pe, const 
     const int64_t NP = (N + W - 1) / W * W;  // heads padded to whole vectors (the lane engines' layout)
     // scores [NP, kTile], probs [N, kTile] and the lane engines' running max, sum and rescale factor per
     // head [NP] each: every one written before it is read, so one uninitialised block
-    UninitFloats buffers(NP * kTile + N * kTile + 3 * NP, Scratch::kScores);
+    UninitFloats buffers(NP * kTile + N * kTile + 4 * NP, Scratch::kScores);
     float* const scores = buffers.data();
     float* const probs = scores + NP * kTile;
     float* const m_lanes = probs + N * kTile;
     float* const l_lanes = m_lanes + NP;
     float* const alpha = l_lanes + NP;
+    float* const head_scale = alpha + NP;  // the unit's scale per head: softmax_scale (* q_scale[row, n])
     for (int64_t u = slice_first[s_begin]; u < slice_first[s_end]; ++u) {
       const Unit unit = units[u];
+      for (int64_t n = 0; n < NP; ++n)
+        head_scale[n] = n < N && extras.q_scale != nullptr ? scale * extras.q_scale[unit.row * N + n] : scale;
       float* acc = acc_all + u * N * L;
       float* m = m_all + u * N;
       float* l = l_all + u * N;
@@ -1334,7 +1336,7 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor* q_pe, const 
           const int64_t nt = stage_tile();
           if (nt == 0) continue;
           tiles.scores(nt, scores);
-          if (lane_softmax(scores, nt, np, scale, m_lanes, l_lanes, alpha)) tiles.rescale(alpha);
+          if (lane_softmax(scores, nt, np, head_scale, m_lanes, l_lanes, alpha)) tiles.rescale(alpha);
           tiles.accumulate(scores, nt);
         }
         tiles.finish(acc);
@@ -1352,15 +1354,13 @@ void attention_kernel(const at::Tensor& q_latent, const at::Tensor* q_pe, const 
           for (int64_t n = 0; n < N; ++n) {
             float* sc = scores + n * kTile;
             float* pr = probs + n * kTile;
-            // Padding past nt is -inf for the max; the probabilities there are set to 0 below.
+            // Padding past nt is -inf for the max, set after the scale (a negative one would make it +inf); the
+            // probabilities there are set to 0 below.
+            const fVec sv(head_scale[n]);
+            for (int64_t i = 0; i < kTile; i += W) (fVec::loadu(sc + i) * sv).store(sc + i);
             std::fill(sc + nt, sc + kTile, kNegInf);
-            const fVec sv(scale);
             fVec vmax(kNegInf);
-            for (int64_t i = 0; i < kTile; i += W) {
-              const fVec x = fVec::loadu(sc + i) * sv;
-              x.store(sc + i);
-              vmax = at::vec::maximum(vmax, x);
-            }
+            for (int64_t i = 0; i < kTile; i += W) vmax = at::vec::maximum(vmax, fVec::loadu(sc + i));
             const float tile_max =
                 at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, vmax);
             const float m_new = next_max(m[n], tile_max);
@@ -1517,7 +1517,7 @@ at::Tensor attend(const at::Tensor& q_latent, const at::Tensor* q_pe, const Pool
   [[maybe_unused]] const Engine engine = choose_engine(q_latent.scalar_type(), geo);
   // rows [0, rows) of q and out with where their entries are cached
   auto run = [&](const at::Tensor& q_rows, const at::Tensor* q_pe_rows, const auto& rows_positions,
-                 c10::ArrayRef<int64_t> rows_entries, at::Tensor& out_rows) {
+                 c10::ArrayRef<int64_t> rows_entries, const AttentionExtras& rows_extras, at::Tensor& out_rows) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_latent.scalar_type(), "mla_attention", [&] {
       if constexpr (std::is_same_v<scalar_t, double>) {
         TORCH_CHECK(false, "mla native attention kernels: float64 is served by the reference kernel");
@@ -1526,27 +1526,27 @@ at::Tensor attend(const at::Tensor& q_latent, const at::Tensor* q_pe, const Pool
 #if defined(MLA_AMX)
           if (engine == Engine::kAmx) {
             attention_kernel<scalar_t, AmxTiles>(q_rows, q_pe_rows, geo, pools, rows_positions, rows_entries,
-                                                 softmax_scale, extras, out_rows);
+                                                 softmax_scale, rows_extras, out_rows);
             return;
           }
 #endif
 #if defined(MLA_BF16_DOT)
           if (engine == Engine::kBf16Dot) {
             attention_kernel<scalar_t, Bf16DotTiles>(q_rows, q_pe_rows, geo, pools, rows_positions, rows_entries,
-                                                     softmax_scale, extras, out_rows);
+                                                     softmax_scale, rows_extras, out_rows);
             return;
           }
 #endif
         }
         attention_kernel<scalar_t, F32Engine<scalar_t>>(q_rows, q_pe_rows, geo, pools, rows_positions, rows_entries,
-                                                       softmax_scale, extras, out_rows);
+                                                       softmax_scale, rows_extras, out_rows);
       }
     });
   };
   const int64_t rows = q_latent.size(0);
   const int64_t group = std::max<int64_t>(1, kGroupPartialFloats / (geo.N * (geo.L + 2)));
   if (rows <= group) {
-    run(q_latent, q_pe, positions, entries, out);
+    run(q_latent, q_pe, positions, entries, extras, out);
     return out;
   }
   for (int64_t first = 0; first < rows; first += group) {
@@ -1554,8 +1554,10 @@ at::Tensor attend(const at::Tensor& q_latent, const at::Tensor* q_pe, const Pool
     const at::Tensor q_rows = q_latent.narrow(0, first, count);
     const at::Tensor q_pe_rows = q_pe != nullptr ? q_pe->narrow(0, first, count) : at::Tensor();
     at::Tensor out_rows = out.narrow(0, first, count);  // contiguous rows of out
+    AttentionExtras rows_extras = extras;  // (the group's rows of the per-row scales)
+    if (extras.q_scale != nullptr) rows_extras.q_scale = extras.q_scale + first * geo.N;
     run(q_rows, q_pe != nullptr ? &q_pe_rows : nullptr, RowsFrom<Positions>{positions, first},
-        entries.slice(first, count), out_rows);
+        entries.slice(first, count), rows_extras, out_rows);
   }
   return out;
 }
@@ -1711,7 +1713,8 @@ std::string attention_engine(const at::Tensor& q_latent, const at::Tensor& key_c
 at::Tensor mla_decode_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double softmax_scale,
-                                const std::optional<at::Tensor>& sinks, int64_t sliding_window) {
+                                const std::optional<at::Tensor>& sinks, int64_t sliding_window,
+                                const std::optional<at::Tensor>& q_scale) {
   const int64_t B = q_latent.size(0);
   const int64_t NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous();
@@ -1719,10 +1722,13 @@ at::Tensor mla_decode_attention(const at::Tensor& q_latent, const at::Tensor& q_
   const Counts lens =
       attended_lengths(IndexView(lens_t), IndexView(tables), B, tables.size(1), NB, bs, sliding_window);
   const Pools pools{{{&key_cache, &value_cache}}, 1};
-  const SinkLogits sink_logits(sinks);
+  const Fp32Values sink_logits(sinks), row_scale(q_scale);
+  AttentionExtras extras;
+  extras.sinks = sink_logits.data();
+  extras.q_scale = row_scale.data();
   if (sliding_window == 0) {
     return attend(q_latent, &q_pe, pools, DecodePositions{IndexView(tables), tables.size(1), bs}, lens,
-                  softmax_scale, sink_logits.extras());
+                  softmax_scale, extras);
   }
   Counts first(B), entries(B);
   for (int64_t b = 0; b < B; ++b) {
@@ -1730,14 +1736,14 @@ at::Tensor mla_decode_attention(const at::Tensor& q_latent, const at::Tensor& q_
     entries[b] = lens[b] - first[b];
   }
   return attend(q_latent, &q_pe, pools, DecodePositions{IndexView(tables), tables.size(1), bs, first.data()}, entries,
-                softmax_scale, sink_logits.extras());
+                softmax_scale, extras);
 }
 
 at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                 const at::Tensor& topk_indices, double softmax_scale,
-                                const std::optional<at::Tensor>& sinks) {
+                                const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& q_scale) {
   const int64_t T = q_latent.size(0), NB = key_cache.size(0), bs = key_cache.size(1);
   const at::Tensor tables = block_tables.contiguous(), indices_t = topk_indices.contiguous();
   const SparseRequests requests =
@@ -1747,8 +1753,11 @@ at::Tensor sparse_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_
   const Counts request = check_index_values(indices, T, width, requests);
   const SparsePositions positions{IndexView(tables), indices, tables.size(1), bs, width, request.data()};
   const Pools pools{{{&key_cache, &value_cache}}, 1};
-  const SinkLogits sink_logits(sinks);
-  return attend(q_latent, &q_pe, pools, positions, Counts(T, width), softmax_scale, sink_logits.extras());
+  const Fp32Values sink_logits(sinks), row_scale(q_scale);
+  AttentionExtras extras;
+  extras.sinks = sink_logits.data();
+  extras.q_scale = row_scale.data();
+  return attend(q_latent, &q_pe, pools, positions, Counts(T, width), softmax_scale, extras);
 }
 
 at::Tensor mla_prefill_attention(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
@@ -1797,8 +1806,9 @@ at::Tensor shared_kv_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
                                     compressed ? compressed_cache->size(1) : 1, width, tokens.data()};
   Pools pools{{{&kv_cache, nullptr}}, 1};
   if (compressed) pools = Pools{{{&kv_cache, nullptr}, {&*compressed_cache, nullptr}}, 2};
-  const SinkLogits sink_logits(sinks);
-  AttentionExtras extras = sink_logits.extras();
+  const Fp32Values sink_logits(sinks);
+  AttentionExtras extras;
+  extras.sinks = sink_logits.data();
   extras.split_probs = true;  // fp32 weights: the op rounds once
   return attend(q, nullptr, pools, positions, entries, softmax_scale, extras);
 }

@@ -20,24 +20,26 @@ namespace mla_native {
 
 // q_latent [B, N, L], q_pe [B, N, R]; key_cache [NB, bs, 1, L], value_cache [NB, bs, 1, R] (any
 // strides); block_tables [B, maxb] and seq_lens [B] int32/int64; sinks [N] (fp32 or q's dtype: one logit per
-// head in the softmax denominator) or none; sliding_window W >= 1: each row's last W positions only (0: all)
+// head in the softmax denominator) or none; sliding_window W >= 1: each row's last W positions only (0: all);
+// q_scale [B, N] (fp32 or q's dtype: a factor on softmax_scale per row and head) or none
 // -> o_latent [B, N, L] in q's dtype.
 // Raises ValueError (the message of the Python check_decode_values) when a length is outside
 // [1, maxb * bs] or a used block id is outside [0, NB), before computing anything.
 MLA_ISA_KERNEL(mla_decode_attention,
                at::Tensor(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          double softmax_scale, const std::optional<at::Tensor>& sinks, int64_t sliding_window))
+                          double softmax_scale, const std::optional<at::Tensor>& sinks, int64_t sliding_window,
+                          const std::optional<at::Tensor>& q_scale))
 
 // Sparse MLA. Requests as the Python ops lay them out (mla_ops/ops/sparse_attention.py):
 // block_tables [B, maxb], seq_lens [B], query_start_loc [B + 1].
 // q_latent [T, N, L], q_pe [T, N, R]; the cache pair of decode; topk_indices [T, K] int32/int64
-// (request-local positions, -1 none); sinks as for decode -> o_latent [T, N, L] in q's dtype.
+// (request-local positions, -1 none); sinks and q_scale [T, N] as for decode -> o_latent [T, N, L] in q's dtype.
 MLA_ISA_KERNEL(sparse_mla_attention,
                at::Tensor(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const at::Tensor& topk_indices, double softmax_scale,
-                          const std::optional<at::Tensor>& sinks))
+                          const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& q_scale))
 
 // MLA prefill, causal: the request tensors and cache pair of sparse MLA; query token i of request b
 // (q_b tokens) sits at position seq_lens[b] - q_b + i and attends the request's positions 0 .. that one
