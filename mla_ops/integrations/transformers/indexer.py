@@ -142,7 +142,7 @@ def _forward_parameters(cls: type) -> tuple[str, ...]:
     return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def stock_indexer_call(indexer, family, hidden_states, q_resid, position_embeddings, mask, position_ids, cache):
+def stock_indexer_call(indexer, hidden_states, q_resid, position_embeddings, mask, position_ids, cache):
     """The layer's own indexer forward -> its int32 top-k [B, S, K], each argument passed in the place its forward
     names it (the cache is `past_key_values` before transformers 5.24 and `cache` from 5.24; an indexer taking its
     query from the layer input takes no q_resid, GLM-5-Next's pooled indexer no RoPE tables and a 2-D mask).
@@ -175,7 +175,7 @@ def dense_selection(attn, patch, hidden_states, q_lora, inputs, query_states, kv
         columns = previous_topk(inputs)
     else:
         # the stock call: the indexer scores against the 3-D [B, S, T] mask (the 2-D one where the top-k is the mask)
-        columns = stock_indexer_call(attn.indexer, patch.family, hidden_states, None if q_lora is None else q_lora[1],
+        columns = stock_indexer_call(attn.indexer, hidden_states, None if q_lora is None else q_lora[1],
                                      inputs.position_embeddings, mask if topk_mask else mask[:, 0],
                                      inputs.position_ids, inputs.cache)
     if topk_mask:
@@ -253,7 +253,7 @@ def pooled_selection(attn, hidden_states, q_resid, layer, plan):
     (`PooledIndexerRows`) -> int32 [B, S, K] row-local positions (-1 none; -1 everywhere for a padding query)."""
     rows = PooledIndexerRows(layer, plan, attn.layer_idx)
     with torch.no_grad():
-        columns = stock_indexer_call(attn.indexer, None, hidden_states, q_resid, None, plan.real, None, rows)
+        columns = stock_indexer_call(attn.indexer, hidden_states, q_resid, None, plan.real, None, rows)
     return rows.row_local(columns)
 
 
@@ -299,7 +299,7 @@ def indexer_refusal(attn, family) -> Optional[str]:
     probe.index_topk = PROBE_TOPK
     with torch.no_grad():
         try:
-            stock = stock_indexer_call(probe, family, hidden, q_resid, (cos, sin), causal, positions, None).long()
+            stock = stock_indexer_call(probe, hidden, q_resid, (cos, sin), causal, positions, None).long()
         except Exception as exc:  # another signature: not DeepSeek-V3.2's indexer
             return f"sparse attention: its indexer ({type(indexer).__name__}) does not run as DeepSeek-V3.2's " \
                    f"({type(exc).__name__}: {exc})"
