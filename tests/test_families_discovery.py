@@ -93,9 +93,9 @@ def _latent_model_types():
 
 def _unreproduced_names(cls) -> set:
     """The names cls's forward (and its indexer's) uses beyond DeepSeek-V3's forward vocabulary."""
-    names = set(families._forward_names(cls))
+    names = set(families.forward_names(cls))
     for indexer in families.indexer_classes(cls):
-        names |= set(families._forward_names(indexer)) - families.INDEXER_NAMES
+        names |= set(families.forward_names(indexer)) - families.INDEXER_NAMES
     return {n for n in names - families.BASE_FORWARD_NAMES if len(n) > 3}
 
 

@@ -291,8 +291,18 @@ def _init_names(cls: type) -> tuple:
     return code.co_names if code is not None else ()
 
 
-def _forward_names(cls: type) -> frozenset:
-    return frozenset(inspect.unwrap(cls.forward).__code__.co_names)
+def forward_names(cls: type) -> frozenset:
+    """Every global and attribute name `cls.forward` uses (its code's co_names; none for a forward without Python
+    code)."""
+    code = getattr(inspect.unwrap(getattr(cls, "forward", None)), "__code__", None)
+    return frozenset(code.co_names) if code is not None else frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def forward_parameters(cls: type) -> tuple[str, ...]:
+    """The names of `cls.forward`'s positional parameters after `self`, in order."""
+    parameters = list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
+    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def builds_mla_modules(cls: type) -> bool:
@@ -313,11 +323,10 @@ def describe(cls: type) -> MlaFamily:
 
     if shared_kv.builds_shared_kv_modules(cls):
         return shared_kv.describe_shared_kv(cls)
-    names = _forward_names(cls)
+    names = forward_names(cls)
     module = cls.__module__
     model_type = module.split(".")[2] if module.startswith("transformers.models.") else module
-    parameters = tuple(p.name for p in list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
-                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    parameters = forward_parameters(cls)
     rope_functions = sorted(names & ROPE_FUNCTIONS.keys())
     layouts = {name: rope_function_layout(sys.modules[module], name) for name in rope_functions}
     features = {feature: marker in names for feature, (marker, _) in FEATURES.items()}
@@ -421,7 +430,7 @@ def indexer_classes(cls: type) -> list:
     init = inspect.unwrap(cls.__init__)
     found = [getattr(modeling, name, None) for name in init.__code__.co_names]
     return [c for c in found if isinstance(c, type) and issubclass(c, torch.nn.Module) and "forward" in vars(c)
-            and "update_indexer" in _forward_names(c)]
+            and "update_indexer" in forward_names(c)]
 
 
 def describe_indexer(cls: type) -> tuple[Optional[str], Optional[str], bool, bool, bool]:
@@ -435,7 +444,7 @@ def describe_indexer(cls: type) -> tuple[Optional[str], Optional[str], bool, boo
         return None, (f"its indexer is not one module class writing cache.update_indexer "
                       f"(found {[c.__name__ for c in classes]})"), False, False, False
     indexer_cls = classes[0]
-    names = _forward_names(indexer_cls)
+    names = forward_names(indexer_cls)
     rope = sorted(names & ROPE_FUNCTIONS.keys())
     input_query = "q_input_norm" in names
     pooled = "get_pooled_states" in names
@@ -541,7 +550,7 @@ def is_mla_attention(module: torch.nn.Module) -> bool:
 
 def is_rms_norm_class(cls: type) -> bool:
     """Whether cls.forward computes only what mla.rms_norm does (read from its code)."""
-    return not (_forward_names(cls) - RMS_NORM_NAMES)
+    return not (forward_names(cls) - RMS_NORM_NAMES)
 
 
 def norm_refusal(norm: torch.nn.Module, name: str = "kv_a_layernorm") -> Optional[str]:
@@ -549,7 +558,7 @@ def norm_refusal(norm: torch.nn.Module, name: str = "kv_a_layernorm") -> Optiona
     mla.kv_prolog / mla.rms_norm compute (None when it is)."""
     if not hasattr(norm, "variance_epsilon") or not isinstance(getattr(norm, "weight", None), torch.Tensor):
         return f"its {name} ({type(norm).__name__}) has no `weight` / `variance_epsilon`"
-    extra = sorted(_forward_names(type(norm)) - RMS_NORM_NAMES)
+    extra = sorted(forward_names(type(norm)) - RMS_NORM_NAMES)
     if extra:
         return f"its {name} ({type(norm).__name__}) computes more than RMSNorm (uses {', '.join(extra)})"
     return None

@@ -4,14 +4,13 @@ the layers run."""
 from __future__ import annotations
 
 import copy
-import inspect
 import types
 import weakref
 
 import torch
 
 from .attention_parts import PATCH_ATTRIBUTE
-from .families import is_mla_attention
+from .families import forward_names, is_mla_attention
 from .paged_attention import drop_absorbed_weights, track_absorbed_owners
 from .paged_cache import LatentLayout, MLAPagedCache, unsupported
 from .patching import stock_attr
@@ -56,7 +55,7 @@ def latent_layouts(model) -> list:
     for layer in decoder.layers:
         mla = [m for m in layer.modules() if is_mla_attention(m)]
         if not mla:
-            linear = [m for m in layer.modules() if LINEAR_ATTENTION_STATE_CALLS & _forward_names(type(m))]
+            linear = [m for m in layer.modules() if LINEAR_ATTENTION_STATE_CALLS & forward_names(type(m))]
             if len(linear) == 1 and isinstance(getattr(linear[0], "layer_idx", None), int):
                 by_index[linear[0].layer_idx] = None  # (its states: the cache's LinearAttentionLayer)
                 continue
@@ -80,11 +79,6 @@ def latent_layouts(model) -> list:
 # What a linear-attention module's forward calls on the cache to keep its states (KDA: Kimi-Linear, Bailing-hybrid).
 LINEAR_ATTENTION_STATE_CALLS = frozenset({"update_conv_state", "update_recurrent_state"})
 
-
-def _forward_names(cls: type) -> frozenset:
-    forward = cls.__dict__.get("forward")
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return frozenset(code.co_names) if code is not None else frozenset()
 
 
 def _instance_wants_dense(decoder) -> bool:

@@ -27,14 +27,13 @@ picks stock's.
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from .attention_parts import CACHE_KEYWORDS
+from .families import forward_parameters
 
 # The attention implementations the stock forward folds the top-k into the mask for; any other gets it
 # as `indices=` (a sparse kernel such as flash-mla), as stock hands it.
@@ -135,13 +134,6 @@ def previous_topk(inputs):
     return inputs.prev_topk_indices
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_parameters(cls: type) -> tuple[str, ...]:
-    """The names of `cls.forward`'s positional parameters after `self`, in order."""
-    parameters = list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
-    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-
-
 def stock_indexer_call(indexer, hidden_states, q_resid, position_embeddings, mask, position_ids, cache):
     """The layer's own indexer forward -> its int32 top-k [B, S, K], each argument passed in the place its forward
     names it (the cache is `past_key_values` before transformers 5.24 and `cache` from 5.24; an indexer taking its
@@ -149,7 +141,7 @@ def stock_indexer_call(indexer, hidden_states, q_resid, position_embeddings, mas
     `mask`: the mask the stock attention hands its indexer ([B, S, T], or the model's [B, S] padding mask)."""
     values = {"hidden_states": hidden_states, "q_resid": q_resid, "position_embeddings": position_embeddings,
               "attention_mask": mask, "position_ids": position_ids, **dict.fromkeys(CACHE_KEYWORDS, cache)}
-    return indexer(*(values[name] for name in _forward_parameters(type(indexer))))
+    return indexer(*(values[name] for name in forward_parameters(type(indexer))))
 
 
 def dense_selection(attn, patch, hidden_states, q_lora, inputs, query_states, kv_length: int):

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ...ops.rope import rope_math
 from .attention_parts import layer_patch, sort_arguments
-from .families import MlaFamily
+from .families import MlaFamily, forward_names, forward_parameters
 
 # What DeepSeek-V4's attention `__init__` builds (read from its code, nothing is built).
 SHARED_KV_MODULES = ("q_a_proj", "q_a_norm", "q_b_proj", "q_b_norm", "kv_proj", "kv_norm", "o_a_proj", "o_b_proj",
@@ -114,15 +114,11 @@ def installed_shared_kv_model_types() -> tuple[str, ...]:
     return tuple(found)
 
 
-def _forward_names(cls: type) -> frozenset:
-    return frozenset(inspect.unwrap(cls.forward).__code__.co_names)
-
-
 def _module_classes_using(modeling, name: str) -> list:
     """The nn.Module classes of `modeling` whose own forward uses `name`."""
     return [obj for obj in vars(modeling).values()
             if isinstance(obj, type) and obj.__module__ == modeling.__name__ and issubclass(obj, torch.nn.Module)
-            and "forward" in vars(obj) and name in _forward_names(obj)]
+            and "forward" in vars(obj) and name in forward_names(obj)]
 
 
 def rope_refusal(modeling) -> Optional[str]:
@@ -155,22 +151,21 @@ def describe_shared_kv(cls: type) -> MlaFamily:
     modeling = sys.modules[cls.__module__]
     module = cls.__module__
     model_type = module.split(".")[2] if module.startswith("transformers.models.") else module
-    parameters = tuple(p.name for p in list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
-                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    parameters = forward_parameters(cls)
     reasons = []
-    unknown = sorted(_forward_names(cls) - SHARED_KV_FORWARD_NAMES)
+    unknown = sorted(forward_names(cls) - SHARED_KV_FORWARD_NAMES)
     if unknown:
         reasons.append(f"its forward uses {', '.join(unknown)}, which the patch does not reproduce")
     compressors = _module_classes_using(modeling, "store_compression_weights")
     if not compressors:
         reasons.append("its module has no compressor (a forward calling store_compression_weights)")
     for compressor in compressors:
-        extra = sorted(_forward_names(compressor) - COMPRESSOR_NAMES)
+        extra = sorted(forward_names(compressor) - COMPRESSOR_NAMES)
         if extra:
             reasons.append(f"its {compressor.__name__} uses {', '.join(extra)}, beyond DeepSeek-V4's gated pooling "
                            f"(mla.kv_compressor) and lightning indexer (mla.lightning_indexer)")
     for scorer in _module_classes_using(modeling, "weights_proj"):
-        extra = sorted(_forward_names(scorer) - SCORER_NAMES)
+        extra = sorted(forward_names(scorer) - SCORER_NAMES)
         if extra:
             reasons.append(f"its {scorer.__name__} uses {', '.join(extra)}, beyond the score "
                            f"sum_h w_h * relu(q_h . k) that mla.lightning_indexer computes")
@@ -216,9 +211,9 @@ def norm_class_refusal(cls: type) -> Optional[str]:
     for name in inspect.unwrap(cls.__init__).__code__.co_names:
         norm_class = getattr(modeling, name, None)
         if not (isinstance(norm_class, type) and issubclass(norm_class, torch.nn.Module) and "forward" in
-                vars(norm_class) and "rsqrt" in _forward_names(norm_class)):
+                vars(norm_class) and "rsqrt" in forward_names(norm_class)):
             continue
-        weighted = "weight" in _forward_names(norm_class)
+        weighted = "weight" in forward_names(norm_class)
         try:
             norm = norm_class(16) if weighted else norm_class()
         except Exception:  # another constructor: the patch-time probe of the model's own modules decides
@@ -254,7 +249,7 @@ def layer_refusal(attn) -> Optional[str]:
 def overlapping(compressor) -> bool:
     """Whether the compressor pools overlapping windows of 2m tokens (CSA: its forward carries the
     previous window's first half with `update_overlap_state`) or m tokens (HCA)."""
-    return "update_overlap_state" in _forward_names(type(compressor))
+    return "update_overlap_state" in forward_names(type(compressor))
 
 
 # ------------------------------------------------------------------------------------------ RoPE
