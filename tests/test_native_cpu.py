@@ -28,7 +28,12 @@ import torch
 
 import mla_ops
 from mla_ops.backends import cpu_native as native_cpu
-from mla_ops.testing.oracles import mla_decode_attention_oracle, mla_prefill_attention_oracle
+from mla_ops.testing.cases import CASES
+from mla_ops.testing.oracles import (
+    mha_prefill_attention_oracle,
+    mla_decode_attention_oracle,
+    mla_prefill_attention_oracle,
+)
 from mla_ops.testing.suites import normalised_error
 
 from utils import paged_case, rope_tables
@@ -1017,6 +1022,32 @@ def test_prefill_bf16_engines_at_v2_lite_dims(isa, amx, monkeypatch):
     _check_prefill(args, 192**-0.5, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_expanded_prefill_unattended_poison_never_leaks(isa, dtype, poison):
+    """mha_prefill_attention over several key blocks (512) and query blocks (256): a NaN/inf key and value of
+    one head at a new token inside a key block that the tokens before it also read (their masked keys):
+    the other head and the other request get the clean output bit for bit, the tokens before it the
+    formula's output (the block's P . V then adds their visible keys one by one: the rounding differs from
+    the GEMM's), and the tokens that see it NaN/inf in that head."""
+    g = torch.Generator().manual_seed(5)
+    q_lens, k_lens = [800, 9], [1100, 9]
+    q = torch.randn(sum(q_lens), 2, 24, generator=g).to(dtype)
+    k = torch.randn(sum(k_lens), 2, 24, generator=g).to(dtype)
+    v = torch.randn(sum(k_lens), 2, 16, generator=g).to(dtype)
+    starts = (torch.tensor([0, 800, 809]), torch.tensor([0, 1100, 1109]))
+    bound = CASES["mha_prefill_attention"].bound("reference", dtype)
+    want = mha_prefill_attention_oracle(q, k, v, *starts, 0.2)[0]
+    clean = native("mha_prefill_attention", q, k, v, *starts, 0.2)
+    assert normalised_error(clean, want) <= bound
+    poisoned = 300 + 650  # request 0's new token 650 (300 context keys), in the key block 512 .. 1023
+    k[poisoned, 1], v[poisoned, 1] = poison, poison
+    got = native("mha_prefill_attention", q, k, v, *starts, 0.2)
+    assert torch.equal(got[:, 0], clean[:, 0]) and torch.equal(got[800:], clean[800:])
+    assert normalised_error(got[:650, 1], want[:650, 1]) <= bound
+    assert not bool(got[650:800, 1].isfinite().any())
+
+
 def test_prefill_of_many_heads_runs_in_groups_of_rows(isa):
     """128 heads x 512: a group holds 2**24 / (128 * 514) = 255 rows of fp32 partials, so a 300-token prompt
     runs in two groups."""
@@ -1813,6 +1844,8 @@ def _tiny_calls():
             q, weights, k_cache, sparse_tables, sparse_lens, starts, 8, 0.25),
         "sparse_mla_attention": lambda: torch.ops.mla.sparse_mla_attention(*sparse, 0.1),
         "mla_prefill_attention": lambda: torch.ops.mla.mla_prefill_attention(*sparse[:7], 0.1),
+        "mha_prefill_attention": lambda: torch.ops.mla.mha_prefill_attention(
+            key[:1], key, value, torch.tensor([0, 1]), torch.tensor([0, 3]), 0.25),
         "shared_kv_attention": lambda: torch.ops.mla.shared_kv_attention(*shared_kv),
         "kv_compressor": lambda: torch.ops.mla.kv_compressor(*compressor_args, **compressor.kwargs()),
         "shared_kv_q_prolog": lambda: torch.ops.mla.shared_kv_q_prolog(*v4_q_args, num_heads=v4_heads),

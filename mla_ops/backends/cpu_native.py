@@ -21,11 +21,6 @@ the reference kernels, with the reason in `mla_ops.explain(...)`, or is refused 
 requested by name. Which of the three the C++ kernel does is the op's *route*, which the backend layer
 sets from the backend setting (`set_route`); nothing is registered or removed when the setting changes.
 
-`mha_prefill_attention` (expanded per-head keys and values) has no kernel here: its reference kernel on
-CPU is ATen's flash attention (`aten::_scaled_dot_product_flash_attention_for_cpu`), which ATen itself
-builds per ISA and vectorises, so a kernel of this backend would add nothing; `mla_ops.explain` names
-the reference for it.
-
 The extension is imported when `mla_ops` is (whether it imports decides the CPU route); it is our own
 and pulls in no optional package. A machine where it does not import keeps the reference kernels, and
 `mla-ops info` says why.
@@ -57,8 +52,9 @@ ENV_AMX = "MLA_OPS_NATIVE_AMX"
 # The ops the extension serves from the dispatcher: one `register_native_op` line each in
 # csrc/cpu/registration.cpp (a test checks the two lists agree).
 NATIVE_OPS = (
-    "mla_decode_attention", "sparse_mla_attention", "mla_prefill_attention", "lightning_indexer", "shared_kv_attention",
-    "kv_prolog", "latent_kv_prolog", "shared_kv_q_prolog", "shared_kv_prolog", "kv_compressor", "rms_norm",
+    "mla_decode_attention", "sparse_mla_attention", "mla_prefill_attention", "mha_prefill_attention",
+    "lightning_indexer", "shared_kv_attention", "kv_prolog", "latent_kv_prolog", "shared_kv_q_prolog",
+    "shared_kv_prolog", "kv_compressor", "rms_norm",
     "gather_pa_kv_cache", "gather_pa_kv_cache_functional", "scatter_pa_kv_cache", "scatter_pa_cache",
 )
 

@@ -279,6 +279,7 @@ def tiny_arguments() -> dict[str, tuple[tuple, dict]]:
         "lightning_indexer": ((index_q, index_weights, key_cache, tables, lens, starts, 1, 0.1), {}),
         "sparse_mla_attention": ((q_latent, q_pe, key_cache, value_cache, tables, lens, starts, topk_indices, 0.1), {}),
         "mla_prefill_attention": ((q_latent, q_pe, key_cache, value_cache, tables, lens, starts, 0.1), {}),
+        "mha_prefill_attention": ((q_latent, key, key, starts, starts, 0.1), {}),
         "shared_kv_attention": ((q_latent, key_cache, tables, lens, starts, None, 0.1, 1), {}),
         "scatter_pa_kv_cache": ((key, value, key_cache, value_cache, slots), {}),
         "gather_pa_kv_cache": ((key_cache, value_cache, tables, lens, key, value), {}),

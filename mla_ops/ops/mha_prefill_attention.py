@@ -15,17 +15,20 @@ bottom-right). Per head n:
     o[t, n] = softmax_j(softmax_scale * q[t, n] . k[j, n]) . v[j, n]     over those keys j
 
 Kernels. On CPU the reference is ATen's memory-bounded flash attention,
-`aten::_scaled_dot_product_flash_attention_for_cpu` (vectorised per ISA by ATen itself: AVX-512,
-AVX2, ...), which returns the output and its log-sum-exp and takes one head size: per request, the
-context keys [0, k_b - q_b) run non-causal and the new keys causal (a square, so top-left and
-bottom-right alignment agree), and the two outputs are merged by their log-sum-exps in fp32 (fp64 for
-fp64); the value head is zero-padded to Dqk (or q and k to Dv, the larger; zero dims change no dot
-product) and the output sliced back. No [N, q_b, k_b] tensor is made: the flash kernel tiles the keys
-and skips the key blocks after a causal query block, where SDPA with an explicit mask materialises every
-score. That kernel is the CPU kernel of this op, so the
-native backend (`cpu_native`) declares no kernel of its own for it. The flash kernel accumulates in
-fp32 and rounds its output to the activation dtype, so the merged output of a request with context
-holds two roundings of the parts' outputs and one of the merge.
+`aten::_scaled_dot_product_flash_attention_for_cpu`, which returns the output and its log-sum-exp and takes
+one head size: per request, the context keys [0, k_b - q_b) run non-causal and the new keys causal (a square,
+so top-left and bottom-right alignment agree), and the two outputs are merged by their log-sum-exps in fp32
+(fp64 for fp64); the value head is zero-padded to Dqk (or q and k to Dv, the larger; zero dims change no dot
+product) and the output sliced back. No [N, q_b, k_b] tensor is made: the flash kernel tiles the keys and
+skips the key blocks after a causal query block, where SDPA with an explicit mask materialises every score.
+The flash kernel accumulates in fp32 and rounds its output to the activation dtype, so the merged output of a
+request with context holds two roundings of the parts' outputs and one of the merge.
+
+The native backend (`cpu_native`, csrc/cpu/kernels/mha_prefill_attention.cpp) runs the same online softmax
+in one walk over each request's keys, context and new tokens together, with P . V at Dv: at DeepSeek-V2's
+dims (Dqk 192, Dv 128) the reference's padding costs a fifth more multiply-adds. Its GEMMs are
+`at::native::cpublas::brgemm`: oneDNN's brgemm kernel in fp32 where oneDNN has one for the CPU, ATen's GEMM
+otherwise (bf16 and fp16 always).
 
 A key a token does not see has no effect on its output, whatever its value, and a NaN or infinite
 score makes the output NaN, as the softmax of the formula does. The fused kernels give neither for

@@ -1227,6 +1227,9 @@ def _mha_prefill_samples(dtype):
         _mha_prefill_sample("strided-views-int64", dtype, [5, 1, 3], [9, 1, 7], views=True, int64=True, seed=24),
         # DeepSeek-V2's head dims: 192 = 128 nope + 64 rope for q and k, 128 for v
         _mha_prefill_sample("v2-dims", dtype, [40, 70], [300, 70], heads=16, qk_dim=192, v_dim=128, seed=28),
+        # past the native kernel's blocks: 800 queries (blocks of 256) over 1400 keys (blocks of 512), a chunk of
+        # 40 over 600 keys
+        _mha_prefill_sample("past-one-block", dtype, [800, 40], [1400, 600], heads=2, seed=32),
     ]
 
 

@@ -445,6 +445,40 @@ void check_mla_prefill_attention_args(const at::Tensor& q_latent, const at::Tens
                          {"query_start_loc", &query_start_loc}});
 }
 
+// mla_ops/ops/mha_prefill_attention.py: check_mha_prefill_attention_args
+void check_mha_prefill_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& query_start_loc, const at::Tensor& key_start_loc,
+                                      double softmax_scale) {
+  constexpr std::string_view op = "mha_prefill_attention";
+  check_softmax_scale(op, softmax_scale, " (e.g. qk_head_dim ** -0.5)");
+  check_float(op, "q", q);
+  check_rank(op, "q", q, 3, "[tokens, heads, qk_head_dim]");
+  TORCH_CHECK(q.size(2) >= 1, prefix(op), "q head dim (dim 2) must be >= 1, got 0");
+  check_rank(op, "k", k, 3, "[keys, heads, qk_head_dim]");
+  check_same_dtype(op, "k", k, "q", q);
+  check_size(op, "k", k.size(1), q.size(1), "heads (dim 1) must equal q's");
+  check_size(op, "k", k.size(2), q.size(2), "head dim (dim 2) must equal q's qk_head_dim");
+  check_rank(op, "v", v, 3, "[keys, heads, v_head_dim]");
+  check_same_dtype(op, "v", v, "q", q);
+  check_size(op, "v", v.size(0), k.size(0), "keys (dim 0) must equal k's");
+  check_size(op, "v", v.size(1), q.size(1), "heads (dim 1) must equal q's");
+  TORCH_CHECK(v.size(2) >= 1, prefix(op), "v head dim (dim 2) must be >= 1, got 0");
+  check_index(op, "query_start_loc", query_start_loc);
+  check_rank(op, "query_start_loc", query_start_loc, 1, "[batch + 1] (cumulative query tokens per request)");
+  check_index(op, "key_start_loc", key_start_loc);
+  check_rank(op, "key_start_loc", key_start_loc, 1, "[batch + 1] (cumulative keys per request)");
+  check_size(op, "key_start_loc", key_start_loc.size(0), query_start_loc.size(0),
+             "length must equal query_start_loc's (one entry per request plus one)");
+  TORCH_CHECK(query_start_loc.size(0) >= 1, prefix(op),
+              "query_start_loc must have one entry per request plus one (cumulative counts starting at 0), got an "
+              "empty tensor");
+  check_same_device(op, {{"q", &q},
+                         {"k", &k},
+                         {"v", &v},
+                         {"query_start_loc", &query_start_loc},
+                         {"key_start_loc", &key_start_loc}});
+}
+
 // mla_ops/ops/shared_kv_attention.py: check_shared_kv_attention_args
 void check_shared_kv_attention_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,

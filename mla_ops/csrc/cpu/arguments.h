@@ -25,6 +25,9 @@ void check_mla_prefill_attention_args(const at::Tensor& q_latent, const at::Tens
                                       const at::Tensor& value_cache, const at::Tensor& block_tables,
                                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                       double softmax_scale);
+void check_mha_prefill_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& query_start_loc, const at::Tensor& key_start_loc,
+                                      double softmax_scale);
 void check_lightning_indexer_args(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   const at::Tensor& query_start_loc, int64_t topk, double softmax_scale,

@@ -30,8 +30,9 @@ Reasons prolog_reasons(const at::Tensor& hidden_states, const at::Tensor& cos, c
 Reasons shared_kv_attention_reasons(const at::Tensor& q, const at::Tensor& kv_cache,
                                     const std::optional<at::Tensor>& compressed_cache);
 // The kernels that serve every layout and decline only a dtype (that of `activation`): lightning_indexer (q),
-// shared_kv_q_prolog and shared_kv_prolog (hidden_states), kv_compressor (kv; strided inputs are copied, the state
-// and the pool written through their strides).
+// mha_prefill_attention (q; inputs whose rows BLAS cannot read in place are copied), shared_kv_q_prolog and
+// shared_kv_prolog (hidden_states), kv_compressor (kv; strided inputs are copied, the state and the pool written
+// through their strides).
 Reasons dtype_reasons(const at::Tensor& activation);
 Reasons rms_norm_reasons(const at::Tensor& x, const at::Tensor& weight);
 

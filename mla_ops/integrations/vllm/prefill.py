@@ -58,26 +58,28 @@ FORMS = ("absorbed", "expanded")
 AMENDMENT = "dense MLA prefill"  # the name of this module's amendment of the engine config (cpu_config)
 
 # Attention multiply-adds per second of each form's op, relative to the multiply-adds per second of the
-# projection GEMMs (kv_b_proj's shape), per kernel that serves the absorbed op (:func:`absorbed_kernel`: the
+# projection GEMMs (kv_b_proj's shape), per kernel that serves the two ops (:func:`absorbed_kernel`: the
 # `cpu_native` ISA build, or "reference") and activation dtype; other dtypes use fp32's row. Measured with
 # `OMP_NUM_THREADS=1 python -m mla_ops.integrations.vllm.prefill` (:func:`measure_efficiency`: V2-Lite attention
 # dims, 16 heads, latent 512 + rope 64, P = V = 128; the absorbed op on a 64-token chunk over 2048 cached tokens,
-# the expanded op (ATen's flash attention) on a 1024-token chunk over 1024, the GEMM on 2048 latents; fastest of
-# 10 round-robin runs) on an AVX-512 CPU with avx512_bf16 and no AMX: "avx512" and "reference" as it is,
-# "avx2" and "default" with ATen and oneDNN capped at AVX2 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`)
-# and `MLA_OPS_NATIVE_ISA` naming the build, as an AVX2-only CPU runs them. One thread: the ratios of a
-# single thread do not move with the load of a shared machine.
-# What they choose at V2-Lite dims: on "avx512" a bf16 prefill runs absorbed (its bf16 GEMMs are fast, and
-# ATen's bf16 flash attention reaches an eighth of them), an fp32 fresh prompt expanded; on "avx2" (no bf16
+# the expanded op on a 1024-token chunk over 1024, the GEMM on 2048 latents; fastest of 10 round-robin runs) on
+# an AVX-512 CPU with avx512_bf16 and no AMX: "avx512" and "reference" as it is, "avx2" and "default" with ATen
+# and oneDNN capped at AVX2 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`) and `MLA_OPS_NATIVE_ISA` naming
+# the build, as an AVX2-only CPU runs them. One thread: the ratios of a single thread do not move with the load
+# of a shared machine. The expanded op's GEMMs are oneDNN's and BLAS's (`at::native::cpublas::brgemm`): in fp32
+# on AVX-512 oneDNN's kernel outruns the projection's BLAS GEMM, and bf16 without AMX goes through a converting
+# GEMM.
+# What they choose at V2-Lite dims: on "avx512" a bf16 prefill runs absorbed (its bf16 dot products are fast,
+# the expanded op's bf16 GEMM reaches a fifth of them), an fp32 fresh prompt expanded; on "avx2" (no bf16
 # GEMM instructions: the GEMMs are slow and both attention forms faster than them) a fresh prompt runs
 # expanded in both dtypes; a short chunk over a long context runs absorbed everywhere.
 EFFICIENCY: dict[str, dict[torch.dtype, dict[str, float]]] = {
-    "avx512": {torch.float32: {"absorbed": 1.59, "expanded": 0.61},
-               torch.bfloat16: {"absorbed": 0.54, "expanded": 0.13}},
-    "avx2": {torch.float32: {"absorbed": 1.24, "expanded": 0.63},
-             torch.bfloat16: {"absorbed": 4.46, "expanded": 2.59}},
-    "default": {torch.float32: {"absorbed": 0.078, "expanded": 0.61},
-                torch.bfloat16: {"absorbed": 0.345, "expanded": 2.58}},
+    "avx512": {torch.float32: {"absorbed": 1.88, "expanded": 1.95},
+               torch.bfloat16: {"absorbed": 0.52, "expanded": 0.18}},
+    "avx2": {torch.float32: {"absorbed": 1.25, "expanded": 0.88},
+             torch.bfloat16: {"absorbed": 4.47, "expanded": 3.64}},
+    "default": {torch.float32: {"absorbed": 0.089, "expanded": 0.69},
+                torch.bfloat16: {"absorbed": 0.351, "expanded": 2.65}},
     "reference": {torch.float32: {"absorbed": 0.85, "expanded": 0.61},
                   torch.bfloat16: {"absorbed": 0.18, "expanded": 0.13}},
 }
@@ -123,8 +125,9 @@ def form_macs(dims: MlaDims, form: str, context: int, query: int) -> tuple[int, 
 
 
 def absorbed_kernel() -> str:
-    """What serves `mla.mla_prefill_attention` on CPU in this process, as :data:`EFFICIENCY` names it: the
-    `cpu_native` ISA build ("avx512", "avx2", "default") or "reference"."""
+    """What serves `mla.mla_prefill_attention` (and with it `mla.mha_prefill_attention`: one backend serves
+    both) on CPU in this process, as :data:`EFFICIENCY` names it: the `cpu_native` ISA build ("avx512", "avx2",
+    "default") or "reference"."""
     from ...backends import candidates, cpu_native
 
     options = candidates("mla_prefill_attention", "cpu")

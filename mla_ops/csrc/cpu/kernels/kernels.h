@@ -50,6 +50,14 @@ MLA_ISA_KERNEL(mla_prefill_attention,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, double softmax_scale))
 
+// MLA prefill, expanded: q [T, N, Dqk], k [S, N, Dqk], v [S, N, Dv] (last dims unit-stride or copied);
+// query_start_loc / key_start_loc [B + 1]; query token i of request b (q_b tokens, k_b keys) attends the
+// request's keys 0 .. k_b - q_b + i -> [T, N, Dv] in q's dtype. Raises ValueError (the messages of the
+// Python check_mha_prefill_values) before computing anything.
+MLA_ISA_KERNEL(mha_prefill_attention,
+               at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& query_start_loc, const at::Tensor& key_start_loc, double softmax_scale))
+
 // DeepSeek-V4's attention core: q [T, H, D]; kv_cache [NB, bs, 1, D], one row per token that is key and
 // value of every head; the request tensors of sparse MLA; sinks [H] (fp32 or q's dtype) or none;
 // compressed_cache [NBc, bsc, 1, D] with compressed_block_tables [B, maxc], or none. The token at position
