@@ -16,7 +16,9 @@ asks them through `torch.ops.mla_native.reasons`), the index-value checks (Value
 written) and the kernel. What the kernels do not serve (float64, gradcheck's dtype; decode,
 sparse, prefill and shared-KV attention caches whose last dim is not unit-stride; a prolog rotating k_pe with
 rope_compute_dtype="activation" in fp16 / bf16; pair-major rotary tables; the "neox" layout; an
-rms_norm of a non-contiguous x, or with a weight neither in x's dtype nor float32) goes to
+rms_norm of a non-contiguous x, or with a weight neither in x's dtype nor float32; an expanded prefill
+(`mha_prefill_attention`) in bf16 / fp16 where oneDNN runs those on AMX tiles, as ATen's flash kernel then
+does) goes to
 the reference kernels, with the reason in `mla_ops.explain(...)`, or is refused when this backend was
 requested by name. Which of the three the C++ kernel does is the op's *route*, which the backend layer
 sets from the backend setting (`set_route`); nothing is registered or removed when the setting changes.

@@ -26,9 +26,10 @@ request with context holds two roundings of the parts' outputs and one of the me
 
 The native backend (`cpu_native`, csrc/cpu/kernels/mha_prefill_attention.cpp) runs the same online softmax
 in one walk over each request's keys, context and new tokens together, with P . V at Dv: at DeepSeek-V2's
-dims (Dqk 192, Dv 128) the reference's padding costs a fifth more multiply-adds. Its GEMMs are
-`at::native::cpublas::brgemm`: oneDNN's brgemm kernel in fp32 where oneDNN has one for the CPU, ATen's GEMM
-otherwise (bf16 and fp16 always).
+dims (Dqk 192, Dv 128) the reference's padding costs a fifth more multiply-adds. Its GEMMs are fp32
+`at::native::cpublas::brgemm` calls (oneDNN's brgemm kernel where oneDNN has one for the CPU, BLAS
+otherwise), bf16 and fp16 operands widened as they are packed; where oneDNN runs bf16 / fp16 on AMX tiles,
+ATen's flash kernel does too, and the reference serves those dtypes.
 
 A key a token does not see has no effect on its output, whatever its value, and a NaN or infinite
 score makes the output NaN, as the softmax of the formula does. The fused kernels give neither for

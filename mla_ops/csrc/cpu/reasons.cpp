@@ -3,6 +3,8 @@
 
 #include "checks.h"
 
+#include <ATen/native/CPUBlas.h>
+
 namespace mla_native {
 namespace {
 
@@ -106,6 +108,19 @@ Reasons rms_norm_reasons(const at::Tensor& x, const at::Tensor& weight) {
     // the reference's squares keep x's layout (empty_like), and ATen's sum over that layout may add in
     // another order than over rows
     reasons.push_back("x is not contiguous: the reference kernel reduces over its layout");
+  }
+  return reasons;
+}
+
+Reasons mha_prefill_reasons(const at::Tensor& q) {
+  Reasons reasons;
+  add_dtype_reason(reasons, q);
+  const auto dtype = q.scalar_type();
+  if ((dtype == at::kBFloat16 || dtype == at::kHalf) && at::native::cpublas::could_pack(dtype)) {
+    // the native kernel widens to fp32; ATen's flash kernel runs these dtypes on AMX tiles here
+    reasons.push_back(py_dtype(q) +
+                      " on a CPU where oneDNN runs it on AMX tiles: the reference kernel (ATen's flash attention) "
+                      "does; the native expanded-prefill kernel computes in fp32");
   }
   return reasons;
 }

@@ -29,10 +29,12 @@ Reasons prolog_reasons(const at::Tensor& hidden_states, const at::Tensor& cos, c
 // shared_kv_attention: both pools' rows are read in place.
 Reasons shared_kv_attention_reasons(const at::Tensor& q, const at::Tensor& kv_cache,
                                     const std::optional<at::Tensor>& compressed_cache);
+// mha_prefill_attention (every layout: inputs whose rows the GEMM cannot read in place are copied): float64, and
+// bf16 / fp16 where oneDNN runs them on AMX tiles (ATen's flash attention, the reference, does there).
+Reasons mha_prefill_reasons(const at::Tensor& q);
 // The kernels that serve every layout and decline only a dtype (that of `activation`): lightning_indexer (q),
-// mha_prefill_attention (q; inputs whose rows BLAS cannot read in place are copied), shared_kv_q_prolog and
-// shared_kv_prolog (hidden_states), kv_compressor (kv; strided inputs are copied, the state and the pool written
-// through their strides).
+// shared_kv_q_prolog and shared_kv_prolog (hidden_states), kv_compressor (kv; strided inputs are copied, the state
+// and the pool written through their strides).
 Reasons dtype_reasons(const at::Tensor& activation);
 Reasons rms_norm_reasons(const at::Tensor& x, const at::Tensor& weight);
 

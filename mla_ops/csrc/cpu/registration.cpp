@@ -23,7 +23,8 @@ TORCH_LIBRARY_IMPL(mla, CatchAll, m) {
                      ReasonsOf<sparse_attention_reasons, 0, 2, 3>>(m);
   register_native_op<mla_prefill_attention_kernel, check_mla_prefill_attention_args,
                      ReasonsOf<prefill_attention_reasons, 0, 2, 3>>(m);
-  register_native_op<mha_prefill_attention_kernel, check_mha_prefill_attention_args, ReasonsOf<dtype_reasons, 0>>(m);
+  register_native_op<mha_prefill_attention_kernel, check_mha_prefill_attention_args,
+                     ReasonsOf<mha_prefill_reasons, 0>>(m);
   register_native_op<shared_kv_q_prolog_kernel, check_shared_kv_q_prolog_args, ReasonsOf<dtype_reasons, 0>>(m);
   register_native_op<shared_kv_prolog_kernel, check_shared_kv_prolog_args, ReasonsOf<dtype_reasons, 0>>(m);
   register_native_op<kv_compressor_kernel, check_kv_compressor_args, ReasonsOf<dtype_reasons, 0>>(m);

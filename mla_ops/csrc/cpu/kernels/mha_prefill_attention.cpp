@@ -7,17 +7,20 @@
 //
 //   S = Q_blk . K_blk^T            [q, k] fp32   at::native::cpublas::brgemm (oneDNN's brgemm kernel where
 //                                                oneDNN has one for the dtype and CPU, else BLAS's GEMM)
-//   m' = max(m, rowmax(scale * S)); P = exp(scale * S - m'); l = l * exp(m - m') + rowsum(P)
-//   O = O * exp(m - m') + P . V_blk   [q, Dv]   fp32 accumulator, P rounded to the activation dtype first
+//   m' = max(m, scale * rowmax(S)); P = exp(scale * S - m'); l = l * exp(m - m') + rowsum(P)
+//   O = O * exp(m - m') + P . V_blk   [q, Dv]   fp32 accumulator
 //   out = O / l                      rounded once to the activation dtype
 //
 // the scheme of ATen's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp in
 // pytorch/pytorch), which takes one head size for q, k and v: called from Python it needs V zero-padded
 // to Dqk (half again the multiply-adds of P . V at DeepSeek-V2's dims) and a second call plus a merge for a
 // request with context. Here the context and the new keys are one walk and P . V runs at Dv. The GEMM takes
-// row-major operands without transposes, so each thread transposes a head's keys once (Scratch::keys_t).
-// bf16 and fp16 go through ATen's converting GEMM (oneDNN's brgemm kernels for them need AMX and a
-// packed layout).
+// row-major operands without transposes, so each thread packs a head's keys (transposed) and values once
+// (Scratch::keys_t, Scratch::values).
+// Every GEMM is fp32: bf16 and fp16 queries, keys and values are widened (exactly) as they are packed, and
+// P stays fp32 (ATen's kernel rounds it to the activation dtype), so the output is rounded once. oneDNN's
+// bf16 brgemm kernels need AMX tiles and their packed layout; on such a CPU the reference serves bf16 and
+// fp16 (reasons.cpp).
 //
 // Masking. A token never reads the scores of keys after its own: they are not scaled, maxed, exponentiated
 // or summed, and their weights in P are exact zeros. P . V multiplies those zeros by the masked keys' values,
@@ -109,50 +112,58 @@ bool all_finite(const T* rows, int64_t count, int64_t row_stride, int64_t width)
   return true;
 }
 
-// One thread's scratch, reused across the units it runs.
-template <typename T>
+// One thread's scratch, reused across the units it runs. Every GEMM operand is fp32: bf16 and fp16 inputs
+// are widened as they are packed (exactly), so every dtype runs the fp32 GEMM kernels.
 struct Scratch {
-  std::vector<float> scores;  // [q_block, kKeyBlock]
-  std::vector<T> probs;       // the weights in T for the P . V GEMM (bf16 / fp16 only)
+  std::vector<float> scores;  // [q_block, kKeyBlock]: S, then P
   std::vector<float> acc;     // [q_block, Dv]
+  std::vector<float> queries;  // [q_block, Dqk]: the unit's queries widened (bf16 / fp16 only)
   std::vector<float> row_max, row_sum;
-  // K^T of one (request, head), keys 0 .. keys_done - 1 transposed so far: the B operand of S = Q . K^T
-  // (the GEMM takes row-major operands without transposes), a [Dqk, kKeyBlock] panel per key block, its
-  // rows kPanelRow apart. A thread runs a head's units one after another, each seeing more keys, so each
-  // key is transposed once per thread and head.
-  std::vector<T> keys_t;
-  int64_t keys_request = -1, keys_head = -1, keys_done = 0;
-  Scratch(int64_t rows, int64_t dim_v)
-      : scores(rows * kKeyBlock), probs(std::is_same_v<T, float> ? 0 : rows * kKeyBlock), acc(rows * dim_v),
-        row_max(rows), row_sum(rows) {}
+  // The GEMM operands of one (request, head), keys 0 .. keys_done - 1 so far. keys_t: K^T, the B operand of
+  // S = Q . K^T (the GEMM takes row-major operands without transposes), a [Dqk, kKeyBlock] panel per key
+  // block, its rows kPanelRow apart. values: V [k_b, Dv] packed, the B operand of P . V (V's rows in the
+  // op's [S, N, Dv] lie N * Dv apart, often a power of two, and a GEMM reading them in place slows down
+  // from cache-set conflicts). A thread runs a head's units one after another, each seeing more keys, so
+  // each key is packed once per thread and head.
+  std::vector<float> keys_t, values;
+  int64_t operands_request = -1, operands_head = -1, keys_done = 0;
+  Scratch(int64_t rows, int64_t dim_qk, int64_t dim_v)
+      : scores(rows * kKeyBlock), acc(rows * dim_v), queries(rows * dim_qk), row_max(rows), row_sum(rows) {}
 };
 
 // The rows of a K^T panel lie this many elements apart: a key block and 16 more, so that the panel's
 // rows do not all map to the same cache sets (a power-of-two stride does).
 constexpr int64_t kPanelRow = kKeyBlock + 16;
 
-// The K^T panels of request `request`'s head `head` through key `upto` (exclusive); k_rows: the head's
-// first key, k_row elements between keys.
+// The packed K^T panels and V rows (Scratch) of request `request`'s head `head` through key `upto`
+// (exclusive); k_rows / v_rows: the head's first key / value, k_row / v_row elements between keys.
 template <typename T>
-const T* transposed_keys(Scratch<T>& s, const T* k_rows, int64_t k_row, int64_t dim, int64_t request, int64_t head,
-                         int64_t num_keys, int64_t upto) {
-  if (s.keys_request != request || s.keys_head != head) {
-    s.keys_request = request;
-    s.keys_head = head;
+void pack_head_operands(Scratch& s, const T* k_rows, int64_t k_row, int64_t dim, const T* v_rows, int64_t v_row,
+                        int64_t dim_v, int64_t request, int64_t head, int64_t num_keys, int64_t upto) {
+  if (s.operands_request != request || s.operands_head != head) {
+    s.operands_request = request;
+    s.operands_head = head;
     s.keys_done = 0;
     const int64_t panels = (num_keys + kKeyBlock - 1) / kKeyBlock;
     if (static_cast<int64_t>(s.keys_t.size()) < panels * dim * kPanelRow) s.keys_t.resize(panels * dim * kPanelRow);
+    if (static_cast<int64_t>(s.values.size()) < num_keys * dim_v) s.values.resize(num_keys * dim_v);
   }
   constexpr int64_t kRows = 16;  // keys per pass: 16 read streams, 16 consecutive writes per dim
   for (int64_t j0 = s.keys_done, j1; j0 < upto; j0 = j1) {
     j1 = std::min(upto, (j0 / kRows + 1) * kRows);  // up to the next multiple of 16: [j0, j1) lies in one panel
-    T* panel = s.keys_t.data() + (j0 / kKeyBlock) * dim * kPanelRow - (j0 / kKeyBlock) * kKeyBlock;
+    float* panel = s.keys_t.data() + (j0 / kKeyBlock) * dim * kPanelRow - (j0 / kKeyBlock) * kKeyBlock;
     for (int64_t d = 0; d < dim; ++d) {
-      for (int64_t j = j0; j < j1; ++j) panel[d * kPanelRow + j] = k_rows[j * k_row + d];
+      for (int64_t j = j0; j < j1; ++j) panel[d * kPanelRow + j] = to_f32(k_rows[j * k_row + d]);
     }
   }
+  for (int64_t j = s.keys_done; j < upto; ++j) {
+    const T* row = v_rows + j * v_row;
+    float* packed = s.values.data() + j * dim_v;
+    int64_t d = 0;
+    for (; d + fVec::size() <= dim_v; d += fVec::size()) load_f32(row + d).store(packed + d);
+    for (; d < dim_v; ++d) packed[d] = to_f32(row[d]);
+  }
   s.keys_done = std::max(s.keys_done, upto);
-  return s.keys_t.data();
 }
 
 struct Geometry {
@@ -164,23 +175,41 @@ struct Geometry {
 // Request r, head n, query tokens [m0, m1) of the request -> out rows (contiguous [T, N, Dv]).
 template <typename T>
 void attend_unit(const T* q, const T* k, const T* v, T* out, int64_t heads, const Geometry& g, const Request& r,
-                 int64_t request, int64_t n, int64_t m0, int64_t m1, Scratch<T>& s) {
+                 int64_t request, int64_t n, int64_t m0, int64_t m1, Scratch& s) {
   const int64_t rows = m1 - m0, Dv = g.dim_v;
   const int64_t context = r.num_keys - r.num_queries;
   const int64_t keys_seen = context + m1;  // the last row sees keys 0 .. context + m1 - 1
-  const T* q_rows = q + (r.first_query + m0) * g.q_row + n * g.q_head;
+  const T* q_in = q + (r.first_query + m0) * g.q_row + n * g.q_head;
+  const float* q_rows;  // the unit's queries as the GEMM reads them, q_ld apart
+  int64_t q_ld;
+  if constexpr (std::is_same_v<T, float>) {
+    q_rows = q_in;
+    q_ld = g.q_row;
+  } else {
+    for (int64_t i = 0; i < rows; ++i) {
+      const T* row = q_in + i * g.q_row;
+      float* widened = s.queries.data() + i * g.dim_qk;
+      int64_t d = 0;
+      for (; d + fVec::size() <= g.dim_qk; d += fVec::size()) load_f32(row + d).store(widened + d);
+      for (; d < g.dim_qk; ++d) widened[d] = to_f32(row[d]);
+    }
+    q_rows = s.queries.data();
+    q_ld = g.dim_qk;
+  }
   const T* k_rows = k + r.first_key * g.k_row + n * g.k_head;
   const T* v_rows = v + r.first_key * g.v_row + n * g.v_head;
   std::fill(s.acc.begin(), s.acc.begin() + rows * Dv, 0.f);
   std::fill(s.row_max.begin(), s.row_max.begin() + rows, kMinusInf);
   std::fill(s.row_sum.begin(), s.row_sum.begin() + rows, 0.f);
   const fVec scale_vec(g.scale);
-  const T* keys_t = transposed_keys(s, k_rows, g.k_row, g.dim_qk, request, n, r.num_keys, keys_seen);
+  pack_head_operands(s, k_rows, g.k_row, g.dim_qk, v_rows, g.v_row, Dv, request, n, r.num_keys, keys_seen);
+  const float* keys_t = s.keys_t.data();
+  const float* values = s.values.data();
   for (int64_t j0 = 0; j0 < keys_seen; j0 += kKeyBlock) {
     const int64_t width = std::min(kKeyBlock, keys_seen - j0);
     float* scores = s.scores.data();
     // scores [rows, width] = Q [rows, Dqk] . K^T [Dqk, width]
-    at::native::cpublas::brgemm(rows, width, g.dim_qk, g.q_row, kPanelRow, width, false, q_rows,
+    at::native::cpublas::brgemm(rows, width, g.dim_qk, q_ld, kPanelRow, width, false, q_rows,
                                 keys_t + (j0 / kKeyBlock) * g.dim_qk * kPanelRow, scores,
                                 /*is_vnni=*/false);
     bool masks_some = false;
@@ -193,21 +222,16 @@ void attend_unit(const T* q, const T* k, const T* v, T* out, int64_t heads, cons
         std::fill(row, row + width, 0.f);
         continue;
       }
-      // scale, then the max of the seen scores; NaN carried (at::vec::maximum propagates it), as the
-      // formula's softmax is NaN then
+      // the max of the seen scores, scaled after: softmax_scale > 0 and rounding is monotonic, so
+      // fl(scale * max) is the max of the fl(scale * s); NaN carried (at::vec::maximum propagates it), as
+      // the formula's softmax is NaN then
       int64_t j = 0;
       fVec max_vec(kMinusInf);
-      for (; j + fVec::size() <= seen; j += fVec::size()) {
-        const fVec x = fVec::loadu(row + j) * scale_vec;
-        x.store(row + j);
-        max_vec = at::vec::maximum(max_vec, x);
-      }
-      float block_max =
+      for (; j + fVec::size() <= seen; j += fVec::size()) max_vec = at::vec::maximum(max_vec, fVec::loadu(row + j));
+      float raw_max =
           at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, max_vec);
-      for (; j < seen; ++j) {
-        row[j] *= g.scale;
-        block_max = std::isnan(row[j]) || row[j] > block_max ? row[j] : block_max;
-      }
+      for (; j < seen; ++j) raw_max = std::isnan(row[j]) || row[j] > raw_max ? row[j] : raw_max;
+      const float block_max = raw_max * g.scale;
       const float old_max = s.row_max[i];
       const float new_max = std::isnan(old_max) || std::isnan(block_max) ? std::numeric_limits<float>::quiet_NaN()
                                                                           : std::max(old_max, block_max);
@@ -216,17 +240,18 @@ void attend_unit(const T* q, const T* k, const T* v, T* out, int64_t heads, cons
         continue;
       }
       const float alpha = std::exp(old_max - new_max);  // 0 for the first block (old max -inf)
-      const fVec max_b(new_max);
+      // P = exp(scale * S - m') in one pass, the product and the difference rounded once (fused)
+      const fVec minus_max(-new_max);
       fVec sum_vec(0.f);
       j = 0;
       for (; j + fVec::size() <= seen; j += fVec::size()) {
-        const fVec p = (fVec::loadu(row + j) - max_b).exp_u20();
+        const fVec p = at::vec::fmadd(fVec::loadu(row + j), scale_vec, minus_max).exp_u20();
         p.store(row + j);
         sum_vec = sum_vec + p;
       }
       float block_sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, sum_vec);
       for (; j < seen; ++j) {
-        row[j] = std::exp(row[j] - new_max);
+        row[j] = std::exp(std::fma(row[j], g.scale, -new_max));
         block_sum += row[j];
       }
       std::fill(row + seen, row + width, 0.f);
@@ -240,37 +265,26 @@ void attend_unit(const T* q, const T* k, const T* v, T* out, int64_t heads, cons
         for (; d < Dv; ++d) acc[d] *= alpha;
       }
     }
-    // the weights as P . V reads them: fp32, or rounded to T (ATen's flash kernel rounds them the same way)
-    const T* probs;
-    if constexpr (std::is_same_v<T, float>) {
-      probs = scores;
-    } else {
-      T* rounded = s.probs.data();
-      const int64_t count = rows * width;
-      int64_t e = 0;
-      for (; e + fVec::size() <= count; e += fVec::size()) store_from_f32(rounded + e, fVec::loadu(scores + e));
-      for (; e < count; ++e) rounded[e] = from_f32<T>(scores[e]);
-      probs = rounded;
-    }
+    const float* probs = scores;
     // keys this block masks for some row: context + m0 + 1 .. block end (the first row sees up to context + m0)
     const int64_t first_masked = std::max<int64_t>(context + m0 + 1 - j0, 0);
-    if (!masks_some || all_finite(v_rows + (j0 + first_masked) * g.v_row, width - first_masked, g.v_row, Dv)) {
+    if (!masks_some || all_finite(values + (j0 + first_masked) * Dv, width - first_masked, Dv, Dv)) {
       // acc [rows, Dv] += P [rows, width] . V [width, Dv]
-      at::native::cpublas::brgemm(rows, Dv, width, width, g.v_row, Dv, true, probs, v_rows + j0 * g.v_row,
-                                  s.acc.data(), /*is_vnni=*/false);
+      at::native::cpublas::brgemm(rows, Dv, width, width, Dv, Dv, true, probs, values + j0 * Dv, s.acc.data(),
+                                  /*is_vnni=*/false);
     } else {
       // a masked value is not finite: each row adds only the keys it sees
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t seen = std::clamp<int64_t>(context + m0 + i + 1 - j0, 0, width);
         float* acc = s.acc.data() + i * Dv;
         for (int64_t j = 0; j < seen; ++j) {
-          const fVec p(to_f32(probs[i * width + j]));
-          const T* value = v_rows + (j0 + j) * g.v_row;
+          const fVec p(probs[i * width + j]);
+          const float* value = values + (j0 + j) * Dv;
           int64_t d = 0;
           for (; d + fVec::size() <= Dv; d += fVec::size()) {
-            at::vec::fmadd(p, load_f32(value + d), fVec::loadu(acc + d)).store(acc + d);
+            at::vec::fmadd(p, fVec::loadu(value + d), fVec::loadu(acc + d)).store(acc + d);
           }
-          for (; d < Dv; ++d) acc[d] += to_f32(probs[i * width + j]) * to_f32(value[d]);
+          for (; d < Dv; ++d) acc[d] += probs[i * width + j] * value[d];
         }
       }
     }
@@ -320,7 +334,7 @@ at::Tensor mha_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in,
     const scalar_t* v_data = v.const_data_ptr<scalar_t>();
     scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-      Scratch<scalar_t> scratch(256, Dv);
+      Scratch scratch(256, g.dim_qk, Dv);
       for (int64_t u = begin; u < end; ++u) {
         const Unit& unit = units[u];
         attend_unit(q_data, k_data, v_data, out_data, heads, g, requests[unit.request], unit.request, unit.head,
