@@ -1024,12 +1024,14 @@ def test_prefill_bf16_engines_at_v2_lite_dims(isa, amx, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-def test_expanded_prefill_unattended_poison_never_leaks(isa, dtype, poison):
+@pytest.mark.parametrize("token", [650, 740])
+def test_expanded_prefill_unattended_poison_never_leaks(isa, dtype, poison, token):
     """mha_prefill_attention over several key blocks (512) and query blocks (256): a NaN/inf key and value of
-    one head at a new token inside a key block that the tokens before it also read (their masked keys):
-    the other head and the other request get the clean output bit for bit, the tokens before it the
-    formula's output (the block's P . V then adds their visible keys one by one: the rounding differs from
-    the GEMM's), and the tokens that see it NaN/inf in that head."""
+    one head at a new token inside a key block that the tokens before it also read (their masked keys;
+    token 740's block, keys 1024 .. 1067 of the query block from token 512, is one that its first 212 rows
+    see none of): the other head and the other request get the clean output bit for bit, the tokens before
+    it the formula's output (the block's P . V then adds their visible keys one by one: the rounding differs
+    from the GEMM's), and the tokens that see it NaN/inf in that head."""
     g = torch.Generator().manual_seed(5)
     q_lens, k_lens = [800, 9], [1100, 9]
     q = torch.randn(sum(q_lens), 2, 24, generator=g).to(dtype)
@@ -1040,12 +1042,11 @@ def test_expanded_prefill_unattended_poison_never_leaks(isa, dtype, poison):
     want = mha_prefill_attention_oracle(q, k, v, *starts, 0.2)[0]
     clean = native("mha_prefill_attention", q, k, v, *starts, 0.2)
     assert normalised_error(clean, want) <= bound
-    poisoned = 300 + 650  # request 0's new token 650 (300 context keys), in the key block 512 .. 1023
-    k[poisoned, 1], v[poisoned, 1] = poison, poison
+    k[300 + token, 1], v[300 + token, 1] = poison, poison  # request 0's new token (after 300 context keys)
     got = native("mha_prefill_attention", q, k, v, *starts, 0.2)
     assert torch.equal(got[:, 0], clean[:, 0]) and torch.equal(got[800:], clean[800:])
-    assert normalised_error(got[:650, 1], want[:650, 1]) <= bound
-    assert not bool(got[650:800, 1].isfinite().any())
+    assert normalised_error(got[:token, 1], want[:token, 1]) <= bound
+    assert not bool(got[token:800, 1].isfinite().any())
 
 
 def test_prefill_of_many_heads_runs_in_groups_of_rows(isa):

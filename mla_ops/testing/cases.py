@@ -1198,12 +1198,17 @@ def _starts(counts, int64: bool) -> Tensor:
     return starts
 
 
-def _mha_prefill_sample(name, dtype, q_lens, k_lens, *, heads=4, qk_dim=12, v_dim=8, views=False, int64=False,
-                        seed=0) -> Sample:
+def _mha_prefill_sample(name, dtype, q_lens, k_lens, *, heads=4, qk_dim=12, v_dim=8, views=False,
+                        shared_heads=False, int64=False, seed=0) -> Sample:
     """Requests of `q_lens` query tokens over `k_lens` keys (context first, then the query tokens' own);
-    with `views`, k and v are column views of one [S, N, Dqk + Dv] tensor and q a column view of a wider one."""
+    with `views`, k and v are column views of one [S, N, Dqk + Dv] tensor and q a column view of a wider one;
+    with `shared_heads`, k and v are one head expanded over all (stride 0 on the heads dim)."""
     tokens, keys = sum(q_lens), sum(k_lens)
-    if views:
+    if shared_heads:
+        q = _randn(tokens, heads, qk_dim, dtype=dtype, seed=seed)
+        k = _randn(keys, 1, qk_dim, dtype=dtype, seed=seed + 1).expand(keys, heads, qk_dim)
+        v = _randn(keys, 1, v_dim, dtype=dtype, seed=seed + 2).expand(keys, heads, v_dim)
+    elif views:
         q = _randn(tokens, heads, qk_dim + 5, dtype=dtype, seed=seed)[..., 5:]
         kv = _randn(keys, heads, qk_dim + v_dim, dtype=dtype, seed=seed + 1)
         k, v = kv[..., :qk_dim], kv[..., qk_dim:]
@@ -1230,6 +1235,7 @@ def _mha_prefill_samples(dtype):
         # past the native kernel's blocks: 800 queries (blocks of 256) over 1400 keys (blocks of 512), a chunk of
         # 40 over 600 keys
         _mha_prefill_sample("past-one-block", dtype, [800, 40], [1400, 600], heads=2, seed=32),
+        _mha_prefill_sample("shared-heads-expanded", dtype, [5, 2], [9, 2], shared_heads=True, seed=36),
     ]
 
 
