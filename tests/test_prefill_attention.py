@@ -221,8 +221,9 @@ def test_the_reference_kernels_hold_no_heads_by_queries_by_keys_tensor():
 
 
 def test_mha_prefill_of_long_requests_matches_the_oracle():
-    """Requests longer than ATen's flash kernel's key and query blocks, with and without context, heads
-    of DeepSeek-V2's head dims (192 / 128), bf16: within the case database's bound."""
+    """Requests longer than the CPU kernels' key and query blocks (ATen's flash kernel's and the native
+    kernel's), with and without context, heads of DeepSeek-V2's head dims (192 / 128), bf16, the op as
+    dispatched: within the case database's bound."""
     g = torch.Generator().manual_seed(11)
     q_lens, k_lens = [300, 257], [700, 257]
     q = torch.randn(sum(q_lens), 2, 192, generator=g).bfloat16()

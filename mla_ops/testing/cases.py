@@ -1296,8 +1296,9 @@ def _mha_prefill_errors():
 
 _register(OpCases("mha_prefill_attention", _mha_prefill_samples, oracles.mha_prefill_attention_oracle,
                   _mha_prefill_errors,
-                  # ATen's flash kernel: fp32 scores, softmax and accumulation, its output rounded to the
-                  # activation dtype; with context, two such outputs merged in fp32 and rounded once more
+                  # the reference (ATen's flash kernel): fp32 scores, softmax and accumulation, its output
+                  # rounded to the activation dtype; with context, two such outputs merged in fp32 and rounded
+                  # once more (the native kernel rounds once)
                   bounds=_eps_bounds(64, 2, 2), selftest=("context-and-new", "v2-dims"),
                   paths={"sdpa": mha_prefill_attention_sdpa}))
 

@@ -384,8 +384,8 @@ def test_chunks_run_both_forms_and_the_prefix_is_not_prefilled_again(auto_run):
 
 @pytest.fixture(scope="module", params=["absorbed", "expanded"])
 def forced_run(request, checkpoint, tmp_path_factory):
-    """Every request in one form; the expanded one on a simulated AVX2-only CPU (ATen's flash kernel and the
-    native build at AVX2)."""
+    """Every request in one form; the expanded one on a simulated AVX2-only CPU (the native build and oneDNN
+    at AVX2)."""
     env = {**ONE_THREAD, "MLA_OPS_VLLM_PREFILL": request.param}
     if request.param == "expanded":
         if platform.machine().lower() not in ("x86_64", "amd64"):

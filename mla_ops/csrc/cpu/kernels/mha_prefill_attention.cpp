@@ -184,7 +184,8 @@ void pack_head_operands(Scratch& s, const Geometry& g, const T* k_rows, const T*
   float* keys_t = s.keys_t.data();
   for (int64_t j0 = s.keys_done, j1; j0 < upto; j0 = j1) {
     j1 = std::min(upto, (j0 / kKeysPerPass + 1) * kKeysPerPass);  // [j0, j1) lies in one panel
-    float* panel = keys_t + (j0 / kKeyBlock) * (dim_qk * kPanelRow - kKeyBlock);  // column j of the panel: j
+    // panel j0 / kKeyBlock, offset back so that it is indexed by the key j itself
+    float* panel = keys_t + (j0 / kKeyBlock) * (dim_qk * kPanelRow - kKeyBlock);
     for (int64_t d = 0; d < dim_qk; ++d) {
       for (int64_t j = j0; j < j1; ++j) panel[d * kPanelRow + j] = to_f32(k_rows[j * g.k_token_stride + d]);
     }
