@@ -1025,13 +1025,15 @@ def test_prefill_bf16_engines_at_v2_lite_dims(isa, amx, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 @pytest.mark.parametrize("token", [650, 740])
-def test_expanded_prefill_unattended_poison_never_leaks(isa, dtype, poison, token):
+def test_expanded_prefill_unattended_poison_never_leaks(isa, dtype, poison, token, monkeypatch):
     """mha_prefill_attention over several key blocks (512) and query blocks (256): a NaN/inf key and value of
     one head at a new token inside a key block that the tokens before it also read (their masked keys;
     token 740's block, keys 1024 .. 1067 of the query block from token 512, is one that its first 212 rows
     see none of): the other head and the other request get the clean output bit for bit, the tokens before
     it the formula's output (the block's P . V then adds their visible keys one by one: the rounding differs
-    from the GEMM's), and the tokens that see it NaN/inf in that head."""
+    from the GEMM's), and the tokens that see it NaN/inf in that head. With the AMX engine off, so that the
+    native kernel serves bf16 on AMX CPUs too (there it otherwise leaves bf16 to ATen's AMX flash kernel)."""
+    monkeypatch.setenv(native_cpu.ENV_AMX, "0")
     g = torch.Generator().manual_seed(5)
     q_lens, k_lens = [800, 9], [1100, 9]
     q = torch.randn(sum(q_lens), 2, 24, generator=g).to(dtype)

@@ -48,7 +48,8 @@ ENV_ISA = "MLA_OPS_NATIVE_ISA"
 # set (not "0"): setup.py builds no native kernels, and `import mla_ops` does not warn that they are missing
 ENV_NO_NATIVE = "MLA_OPS_NO_NATIVE"
 # "0" turns off the AMX tile engine of the decode / sparse / shared-KV attention kernels (read on every call):
-# bf16 then runs on the AVX512-BF16 engine, e.g. to compare the two on one machine.
+# bf16 then runs on the AVX512-BF16 engine, e.g. to compare the two on one machine; and the native expanded
+# prefill (`mha_prefill_attention`) serves bf16 / fp16, which it otherwise leaves to ATen's AMX flash kernel.
 ENV_AMX = "MLA_OPS_NATIVE_AMX"
 
 # The ops the extension serves from the dispatcher: one `register_native_op` line each in

