@@ -288,7 +288,8 @@ def _prefill_cell(row: Optional[dict], skipped: Optional[dict]) -> str:
 
 def _plugin_prefill(row: dict) -> str:
     """How the plugin side's engine prefilled a prompt."""
-    how = "mla ops" if row["prefill_route"] == "mla-ops" else "vLLM's SDPA"
+    how = ("mla ops" if row["prefill_route"] == "mla-ops"
+           else "vLLM's AMX extend" if row.get("attention_backend") == "AMX_MLA" else "vLLM's SDPA")
     if row["chunk_tokens"] and row["chunk_tokens"] < row["context"]:
         return f"{how}, chunks of {row['chunk_tokens']}"
     return f"{how}, one step"
@@ -492,6 +493,8 @@ TABLES: dict[str, Table] = {
     "vllm-prefill-serve": Table("vllm_prefill.json", vllm_prefill_serve),
     "vllm-prefill-avx2": Table("vllm_prefill_avx2_only.json", vllm_prefill),
     "vllm-prefill-turns-avx2": Table("vllm_prefill_avx2_only.json", vllm_prefill_turns),
+    "vllm-prefill-amx": Table("vllm_prefill_amx.json", vllm_prefill),
+    "vllm-prefill-turns-amx": Table("vllm_prefill_amx.json", vllm_prefill_turns),
     "deepseek-v4-decode-avx2": Table("deepseek_v4_avx2_only.json", v4_decode),
     "deepseek-v4-ops": Table("deepseek_v4.json", v4_ops),
     "deepseek-v4-vllm": Table("deepseek_v4.json", v4_vllm),

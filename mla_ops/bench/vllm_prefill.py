@@ -272,13 +272,22 @@ def _engine_summary(side: str, dtype: str, report: dict) -> dict:
             "plugin_state": (report["worker_plugin_states"] or [None])[0]}
 
 
+def job_prefill_route(job: dict) -> str:
+    """"mla-ops" when the plugin's prefill ops served some of the job's prompt tokens, else "vllm" (the host
+    backend's own prefill: CPU_MLA's SDPA, AMX_MLA's extend)."""
+    calls = job.get("plugin_calls", {})
+    return "mla-ops" if calls.get("mha_prefill_attention") or calls.get("mla_prefill_attention") else "vllm"
+
+
 def _prefill_row(part: str, side: str, dtype: str, context: int, job: dict, report: dict) -> dict:
     """A vLLM side's row of one prompt: its TTFT, the engine's peak memory during it, and how the engine
-    prefilled (the probe's route; chunked prefill's token budget, None when it prefills in one step)."""
+    prefilled it (`prefill_route`: :func:`job_prefill_route`; the attention backend; chunked prefill's token
+    budget, None when it prefills in one step)."""
     out, config = job["outputs"][0], report["engine_config"]
     return {"part": part, "side": side, "dtype": dtype, "context": context, "ttft_s": job["total_s"],
             "prefill_tok_s": context / job["total_s"], "peak_rss_bytes": job["peak_rss_bytes"],
-            "rss_before_bytes": job["rss_before_bytes"], "prefill_route": report["prefill_route"],
+            "rss_before_bytes": job["rss_before_bytes"], "prefill_route": job_prefill_route(job),
+            "attention_backend": "/".join(sorted({r["backend"] for r in report["layers"]})),
             "chunk_tokens": config["max_num_batched_tokens"] if config["enable_chunked_prefill"] else None,
             "num_cached_tokens": out.get("num_cached_tokens"), "first_token": out["token_ids"][0]}
 

