@@ -20,7 +20,8 @@ The default where mla-ops' bf16 decode runs its AMX engine (measured faster than
 same memory, :mod:`.routes`); elsewhere (the engine turned off, oneDNN capped below AMX) only under
 `MLA_OPS_VLLM_ROUTE=mla-ops`.
 
-`python -m mla_ops.integrations.vllm.amx` measures the `amx_mla` row on the machine at hand.
+`python -m mla_ops.integrations.vllm.amx` measures the `amx_mla` row on the machine at hand and times stock
+AMX_MLA's prefill against the plugin's on a grid of (context, new tokens) (:func:`time_forms`).
 """
 from __future__ import annotations
 
