@@ -143,12 +143,34 @@ class _KvBProj(torch.nn.Module):
 
     quant_method = None
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, prefix: str):
         super().__init__()
-        self.weight, self.prefix = torch.nn.Parameter(weight, requires_grad=False), "measure.kv_b_proj"
+        self.weight, self.prefix = torch.nn.Parameter(weight, requires_grad=False), prefix
 
     def forward(self, x):
         return torch.nn.functional.linear(x, self.weight), None
+
+
+def impl_pair(weight: torch.Tensor, dims: prefill.MlaDims, scale: float,
+              prefix: str = "measure.kv_b_proj") -> tuple[AMXMLAImpl, MlaOpsAMXMLAImpl]:
+    """vLLM's `AMXMLAImpl` and the plugin's `MlaOpsAMXMLAImpl` on one unquantized kv_b_proj weight
+    `[N * (P + V), L]` (its module named `prefix`), each with its weights processed as vLLM's loader does, in
+    the weight's dtype."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backend import AttentionType
+
+    n, lora, rope, nope, v = dims.heads, dims.kv_lora_rank, dims.rope_dim, dims.qk_nope_dim, dims.v_dim
+    impls = []
+    with set_current_vllm_config(VllmConfig()):
+        for cls in (AMXMLAImpl, MlaOpsAMXMLAImpl):
+            impl = cls(num_heads=n, head_size=lora + rope, scale=scale, num_kv_heads=1, alibi_slopes=None,
+                       sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+                       attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, q_lora_rank=None,
+                       kv_lora_rank=lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope, qk_head_dim=nope + rope,
+                       v_head_dim=v, kv_b_proj=_KvBProj(weight, prefix), indexer=None)
+            impl.process_weights_after_loading(weight.dtype)
+            impls.append(impl)
+    return impls[0], impls[1]
 
 
 def time_forms(grid=GRID, dims: prefill.MlaDims = prefill.V2_LITE_DIMS, block_size: int = 128,
@@ -156,23 +178,10 @@ def time_forms(grid=GRID, dims: prefill.MlaDims = prefill.V2_LITE_DIMS, block_si
     """Stock AMX_MLA's `forward_mha` against the plugin's (each request in the form it chooses) and the
     expanded form forced, on one request per (context, new tokens) of `grid`, bf16, V2-Lite dims by default:
     one row each with the fastest seconds of `repeats` round-robin runs and the form chosen."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.v1.attention.backend import AttentionType
-
     n, lora, rope, nope, v = dims.heads, dims.kv_lora_rank, dims.rope_dim, dims.qk_nope_dim, dims.v_dim
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(n * (nope + v), lora, generator=gen) * lora ** -0.5).bfloat16()
-    impls = []
-    with set_current_vllm_config(VllmConfig()):
-        for cls in (AMXMLAImpl, MlaOpsAMXMLAImpl):
-            impl = cls(num_heads=n, head_size=lora + rope, scale=(nope + rope) ** -0.5, num_kv_heads=1,
-                       alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
-                       attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, q_lora_rank=None,
-                       kv_lora_rank=lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope, qk_head_dim=nope + rope,
-                       v_head_dim=v, kv_b_proj=_KvBProj(weight), indexer=None)
-            impl.process_weights_after_loading(torch.bfloat16)
-            impls.append(impl)
-    stock, plugin = impls
+    stock, plugin = impl_pair(weight, dims, (nope + rope) ** -0.5)
     rows = []
     for context, query in grid:
         seq = context + query
